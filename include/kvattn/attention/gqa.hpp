@@ -1,0 +1,331 @@
+// MHA, GQA and MQA as one family: H query heads over n_kv shared KV heads.
+//
+// Shapes (rows are tokens):
+//   x        L x d                    input hidden states
+//   w_q      d x (H * d_h)            b_q 1 x (H * d_h)   (biases only with qkv_bias)
+//   w_k, w_v d x (n_kv * d_h)         b_k, b_v 1 x (n_kv * d_h)
+//   w_o      (H * d_h) x d
+//   output   L x d
+// Query head h (columns [h*d_h, (h+1)*d_h) of Q) attends with KV head h / (H / n_kv).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+
+#include "kvattn/attention/gqa_config.hpp"
+#include "kvattn/cache/gqa_cache.hpp"
+#include "kvattn/core/errors.hpp"
+#include "kvattn/core/random.hpp"
+#include "kvattn/core/rope.hpp"
+#include "kvattn/core/softmax.hpp"
+#include "kvattn/core/types.hpp"
+
+namespace kvattn {
+
+/// The projection weights of a GQA-family layer (`in x out`, Y = X * W).
+template <class T>
+struct GqaWeights {
+  RowMatrix<T> w_q;  // d x (H * d_h)
+  RowMatrix<T> w_k;  // d x (n_kv * d_h)
+  RowMatrix<T> w_v;  // d x (n_kv * d_h)
+  RowMatrix<T> w_o;  // (H * d_h) x d
+  RowVector<T> b_q;  // 1 x (H * d_h), empty without qkv_bias
+  RowVector<T> b_k;  // 1 x (n_kv * d_h), empty without qkv_bias
+  RowVector<T> b_v;  // 1 x (n_kv * d_h), empty without qkv_bias
+
+  /// Weights drawn from N(0, 1/fan_in); biases (with qkv_bias) from N(0, 0.25).
+  static GqaWeights random(const GqaConfig& config, std::uint64_t seed) {
+    config.validate();
+    std::mt19937_64 rng(seed);
+    const Index q_width = config.n_heads * config.head_dim;
+    const Index kv_width = config.n_kv_heads * config.head_dim;
+    GqaWeights w;
+    w.w_q = random_weight<T>(config.d_model, q_width, rng);
+    w.w_k = random_weight<T>(config.d_model, kv_width, rng);
+    w.w_v = random_weight<T>(config.d_model, kv_width, rng);
+    w.w_o = random_weight<T>(q_width, config.d_model, rng);
+    if (config.qkv_bias) {
+      w.b_q = random_normal<T>(1, q_width, rng, 0.5);
+      w.b_k = random_normal<T>(1, kv_width, rng, 0.5);
+      w.b_v = random_normal<T>(1, kv_width, rng, 0.5);
+    }
+    return w;
+  }
+
+  /// The same weights in another scalar type (e.g. double for a reference).
+  template <class U>
+  GqaWeights<U> cast() const {
+    return {w_q.template cast<U>(), w_k.template cast<U>(), w_v.template cast<U>(),
+            w_o.template cast<U>(), b_q.template cast<U>(), b_k.template cast<U>(),
+            b_v.template cast<U>()};
+  }
+
+  /// Throws shape_error unless every matrix matches `config`.
+  void check(const GqaConfig& config) const {
+    constexpr const char* where = "GqaWeights";
+    const Index q_width = config.n_heads * config.head_dim;
+    const Index kv_width = config.n_kv_heads * config.head_dim;
+    detail::check_shape(where, "w_q", w_q, config.d_model, q_width);
+    detail::check_shape(where, "w_k", w_k, config.d_model, kv_width);
+    detail::check_shape(where, "w_v", w_v, config.d_model, kv_width);
+    detail::check_shape(where, "w_o", w_o, q_width, config.d_model);
+    const Index bias_q = config.qkv_bias ? q_width : 0;
+    const Index bias_kv = config.qkv_bias ? kv_width : 0;
+    detail::check_shape(where, "b_q", b_q, bias_q == 0 ? -1 : 1, bias_q);
+    detail::check_shape(where, "b_k", b_k, bias_kv == 0 ? -1 : 1, bias_kv);
+    detail::check_shape(where, "b_v", b_v, bias_kv == 0 ? -1 : 1, bias_kv);
+  }
+};
+
+namespace detail {
+inline std::string describe(const GqaConfig& c) {
+  return "{d_model " + std::to_string(c.d_model) + ", n_heads " + std::to_string(c.n_heads) +
+         ", head_dim " + std::to_string(c.head_dim) + ", n_kv_heads " +
+         std::to_string(c.n_kv_heads) + "}";
+}
+}  // namespace detail
+
+/// A GQA-family attention layer. Immutable after construction: one layer may be
+/// used from several threads at once, each thread decoding its own cache.
+template <class T>
+class GqaLayer {
+ public:
+  using scalar_type = T;
+  template <class S = T>
+  using cache_type = GqaCache<T, S>;
+
+  /// Validates the config and the weights' shapes (config_error / shape_error).
+  GqaLayer(const GqaConfig& config, GqaWeights<T> weights)
+      : config_(config), weights_(std::move(weights)) {
+    config_.validate();
+    weights_.check(config_);
+    rope_ = Rope(config_.rope, config_.head_dim);
+    scale_ = static_cast<T>(config_.scale());
+  }
+
+  /// A layer with GqaWeights<T>::random(config, seed).
+  static GqaLayer random(const GqaConfig& config, std::uint64_t seed) {
+    return GqaLayer(config, GqaWeights<T>::random(config, seed));
+  }
+
+  const GqaConfig& config() const { return config_; }
+  const GqaWeights<T>& weights() const { return weights_; }
+  const Rope& rope() const { return rope_; }
+  /// The scale multiplying q.k before the softmax.
+  T softmax_scale() const { return scale_; }
+
+  /// An empty cache for this layer, with room for `reserve_tokens`.
+  template <class S = T>
+  GqaCache<T, S> make_cache(Index reserve_tokens = 0) const {
+    return GqaCache<T, S>(config_, reserve_tokens);
+  }
+
+  /// Causal prefill of L new tokens x (L x d) after the cache's tokens: appends their
+  /// K and V to the cache and returns the L x d output. Attention is tiled with an
+  /// online softmax, so memory is O(L * d + tile^2), never L x L.
+  template <class S>
+  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache) const {
+    check_cache(cache, "GqaLayer::prefill");
+    detail::check_shape("GqaLayer::prefill", "x", x, -1, config_.d_model);
+    const Index past = cache.tokens();
+    const Index length = x.rows();
+    RowMatrix<T> query, key, value;
+    project(x, past, query, key, value);
+    cache.append(key, value);  // strong guarantee: on failure nothing changed
+    RowMatrix<T> heads(length, config_.n_heads * config_.head_dim);
+    attend_tiled(query, cache, past, heads);
+    return heads * weights_.w_o;
+  }
+
+  /// One new token x (1 x d) through the factored path: appends its K and V, attends
+  /// over the whole cache and writes the 1 x d output into `out`. All query heads of
+  /// a KV group are scored in one pass over the group's keys, so each cached element
+  /// is read once per step. Allocates nothing once the cache has capacity.
+  template <class S>
+  void decode(const ConstRowRef<T>& x, GqaCache<T, S>& cache, RowRef<T> out) const {
+    check_cache(cache, "GqaLayer::decode");
+    detail::check_shape("GqaLayer::decode", "x", x, 1, config_.d_model);
+    detail::check_shape("GqaLayer::decode", "out", out, 1, config_.d_model);
+    auto& ws = cache.workspace();
+    cache.ensure_capacity(cache.tokens() + 1);
+    prepare(ws, cache.capacity());
+    // Everything that may throw is done; from here the step cannot fail.
+    const Index position = cache.tokens();
+    ws.query.noalias() = x * weights_.w_q;
+    ws.key.noalias() = x * weights_.w_k;
+    ws.value.noalias() = x * weights_.w_v;
+    if (config_.qkv_bias) {
+      ws.query += weights_.b_q;
+      ws.key += weights_.b_k;
+      ws.value += weights_.b_v;
+    }
+    const double angle_position = static_cast<double>(config_.rope.position_offset + position);
+    rope_.rotate(ws.query.data(), angle_position, config_.n_heads, config_.head_dim);
+    rope_.rotate(ws.key.data(), angle_position, config_.n_kv_heads, config_.head_dim);
+    cache.push_row(ws.key, ws.value);
+    attend_decode(cache, ws);
+    out.noalias() = ws.heads * weights_.w_o;
+  }
+
+  /// Convenience overload returning the 1 x d output (allocates the result).
+  template <class S>
+  RowVector<T> decode(const ConstRowRef<T>& x, GqaCache<T, S>& cache) const {
+    RowVector<T> out(config_.d_model);
+    decode(x, cache, out);
+    return out;
+  }
+
+ private:
+  template <class S>
+  void check_cache(const GqaCache<T, S>& cache, const char* where) const {
+    if (!(cache.config() == config_)) {
+      throw config_error(std::string(where) + ": the cache was made for config " +
+                         detail::describe(cache.config()) + " (or other RoPE/bias settings)" +
+                         ", the layer has " + detail::describe(config_));
+    }
+  }
+
+  // Q, K, V of x with biases and RoPE; token i sits at cache index past + i.
+  void project(const ConstMatrixRef<T>& x, Index past, RowMatrix<T>& query, RowMatrix<T>& key,
+               RowMatrix<T>& value) const {
+    query.noalias() = x * weights_.w_q;
+    key.noalias() = x * weights_.w_k;
+    value.noalias() = x * weights_.w_v;
+    if (config_.qkv_bias) {
+      query.rowwise() += weights_.b_q;
+      key.rowwise() += weights_.b_k;
+      value.rowwise() += weights_.b_v;
+    }
+    for (Index i = 0; i < x.rows(); ++i) {
+      const double position = static_cast<double>(config_.rope.position_offset + past + i);
+      rope_.rotate(query.row(i).data(), position, config_.n_heads, config_.head_dim);
+      rope_.rotate(key.row(i).data(), position, config_.n_kv_heads, config_.head_dim);
+    }
+  }
+
+  template <class Workspace>
+  void prepare(Workspace& ws, Index capacity) const {
+    const Index q_width = config_.n_heads * config_.head_dim;
+    const Index kv_width = config_.n_kv_heads * config_.head_dim;
+    if (ws.query.cols() != q_width) ws.query.resize(q_width);
+    if (ws.heads.cols() != q_width) ws.heads.resize(q_width);
+    if (ws.key.cols() != kv_width) ws.key.resize(kv_width);
+    if (ws.value.cols() != kv_width) ws.value.resize(kv_width);
+    if (ws.scores.rows() != config_.group_size() || ws.scores.cols() < capacity) {
+      ws.scores.resize(config_.group_size(), capacity);
+    }
+  }
+
+  template <class S, class Workspace>
+  void attend_decode(const GqaCache<T, S>& cache, Workspace& ws) const {
+    const Index length = cache.tokens();
+    const Index group = config_.group_size();
+    const Index dh = config_.head_dim;
+    const Index stride = ws.scores.cols();
+    for (Index g = 0; g < config_.n_kv_heads; ++g) {
+      const auto keys = cache.keys(g);
+      const auto values = cache.values(g);
+      const auto group_query = ws.query.segment(g * group * dh, group * dh);
+      T* scores = ws.scores.data();
+      // One pass over the group's keys scores every query head of the group.
+      for (Index t = 0; t < length; ++t) {
+        const auto key = keys.row(t).template cast<T>();
+        for (Index i = 0; i < group; ++i) {
+          scores[i * stride + t] = scale_ * group_query.segment(i * dh, dh).dot(key);
+        }
+      }
+      for (Index i = 0; i < group; ++i) softmax_inplace(scores + i * stride, length);
+      auto group_heads = ws.heads.segment(g * group * dh, group * dh);
+      group_heads.setZero();
+      for (Index t = 0; t < length; ++t) {
+        const auto value = values.row(t).template cast<T>();
+        for (Index i = 0; i < group; ++i) {
+          group_heads.segment(i * dh, dh) += scores[i * stride + t] * value;
+        }
+      }
+    }
+  }
+
+  // Flash-attention style causal attention of `query` (the L new tokens, at cache
+  // indices past ... past+L-1) over the cache: query tiles x key tiles with a running
+  // maximum m, normalizer l and accumulator per query row.
+  template <class S>
+  void attend_tiled(const RowMatrix<T>& query, const GqaCache<T, S>& cache, Index past,
+                    RowMatrix<T>& heads) const {
+    constexpr Index tile = 64;
+    constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+    const Index length = query.rows();
+    const Index dh = config_.head_dim;
+    RowMatrix<T> scores(tile, tile);
+    RowMatrix<T> acc(tile, dh);
+    RowVector<T> running_max(tile), normalizer(tile), rescale(tile);
+    for (Index q0 = 0; q0 < length; q0 += tile) {
+      const Index q_rows = std::min(tile, length - q0);
+      const Index key_end = past + q0 + q_rows;  // keys visible to the tile's last row
+      for (Index h = 0; h < config_.n_heads; ++h) {
+        const Index g = h / config_.group_size();
+        const auto q_tile = query.block(q0, h * dh, q_rows, dh);
+        acc.topRows(q_rows).setZero();
+        running_max.head(q_rows).setConstant(neg_inf);
+        normalizer.head(q_rows).setZero();
+        for (Index k0 = 0; k0 < key_end; k0 += tile) {
+          const Index k_rows = std::min(tile, key_end - k0);
+          const auto k_tile = cache.keys(g).middleRows(k0, k_rows).template cast<T>();
+          const auto v_tile = cache.values(g).middleRows(k0, k_rows).template cast<T>();
+          auto s = scores.topLeftCorner(q_rows, k_rows);
+          s.noalias() = q_tile * k_tile.transpose();
+          for (Index r = 0; r < q_rows; ++r) {
+            const Index visible = past + q0 + r - k0 + 1;  // keys k0 ... past+q0+r
+            T row_max = neg_inf;
+            for (Index c = 0; c < k_rows; ++c) {
+              if (c < visible) {
+                s(r, c) *= scale_;
+                row_max = std::max(row_max, s(r, c));
+              } else {
+                s(r, c) = neg_inf;
+              }
+            }
+            const T new_max = std::max(running_max(r), row_max);
+            if (new_max == neg_inf) {  // no visible key in this tile yet
+              rescale(r) = T(1);
+              s.row(r).setZero();
+              continue;
+            }
+            rescale(r) = std::exp(running_max(r) - new_max);  // exp(-inf) = 0
+            T row_sum = 0;
+            for (Index c = 0; c < k_rows; ++c) {
+              s(r, c) = std::exp(s(r, c) - new_max);
+              row_sum += s(r, c);
+            }
+            normalizer(r) = normalizer(r) * rescale(r) + row_sum;
+            running_max(r) = new_max;
+          }
+          acc.topRows(q_rows) = rescale.head(q_rows).asDiagonal() * acc.topRows(q_rows);
+          acc.topRows(q_rows).noalias() += s * v_tile;
+        }
+        // Every query sees at least itself, so the normalizer is >= 1.
+        heads.block(q0, h * dh, q_rows, dh) =
+            normalizer.head(q_rows).cwiseInverse().asDiagonal() * acc.topRows(q_rows);
+      }
+    }
+  }
+
+  GqaConfig config_;
+  GqaWeights<T> weights_;
+  Rope rope_;
+  T scale_ = T(1);
+};
+
+/// Named aliases: MHA is GQA with n_kv_heads == n_heads (see mha_config), MQA is
+/// GQA with n_kv_heads == 1 (see mqa_config).
+template <class T>
+using MhaLayer = GqaLayer<T>;
+template <class T>
+using MqaLayer = GqaLayer<T>;
+
+}  // namespace kvattn

@@ -1,0 +1,129 @@
+// The KV cache of the MHA / GQA / MQA family: K and V of every KV head.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "kvattn/attention/gqa_config.hpp"
+#include "kvattn/cache/kv_cache.hpp"
+#include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/core/errors.hpp"
+#include "kvattn/core/types.hpp"
+
+namespace kvattn {
+
+/// Per token: K and V (already rotated by RoPE) for each of the n_kv KV heads,
+/// 2 * n_kv * d_h elements of storage type S. Each KV head's keys are one dense
+/// `tokens x d_h` block, so decode streams them once per step for the whole group.
+///
+/// T is the compute type of the layer that fills it; S (default T) the storage type.
+/// A cache belongs to one sequence and one thread at a time; copying forks it.
+template <class T, class S = T>
+class GqaCache {
+ public:
+  using compute_type = T;
+  using storage_type = S;
+
+  /// Already-projected rows for append: keys and values, n x (n_kv * d_h) each,
+  /// KV head g in columns [g * d_h, (g + 1) * d_h). Keys carry RoPE already (each at
+  /// its own position, position_offset + its index in the cache).
+  struct rows_type {
+    ConstMatrixRef<T> keys;
+    ConstMatrixRef<T> values;
+  };
+
+  explicit GqaCache(const GqaConfig& config, Index reserve_tokens = 0)
+      : config_(validated(config)),
+        keys_(config.n_kv_heads, config.head_dim),
+        values_(config.n_kv_heads, config.head_dim) {
+    if (reserve_tokens > 0) reserve(reserve_tokens);
+  }
+
+  const GqaConfig& config() const { return config_; }
+  Index tokens() const { return keys_.tokens(); }
+  Index capacity() const { return keys_.capacity(); }
+  Index elements_per_token() const {
+    return keys_.elements_per_token() + values_.elements_per_token();
+  }
+  std::size_t bytes() const { return keys_.bytes() + values_.bytes(); }
+  std::size_t capacity_bytes() const { return keys_.capacity_bytes() + values_.capacity_bytes(); }
+
+  /// Makes room for `n` tokens in total; never shrinks. Strong exception guarantee.
+  void reserve(Index n) {
+    if (n < 0) throw shape_error("GqaCache::reserve: n (" + std::to_string(n) + ") must be >= 0");
+    if (n <= capacity()) return;
+    auto keys = keys_.grown(n);
+    auto values = values_.grown(n);
+    keys_.swap(keys);
+    values_.swap(values);
+  }
+
+  void clear() noexcept { truncate_unchecked(0); }
+
+  /// Rolls back to the first n tokens (speculative decoding). Keeps capacity.
+  void truncate(Index n) {
+    detail::check_truncate("GqaCache", n, tokens());
+    truncate_unchecked(n);
+  }
+
+  void append(const rows_type& rows) { append(rows.keys, rows.values); }
+
+  /// Appends n tokens of keys and values (n x (n_kv * d_h) each).
+  void append(const ConstMatrixRef<T>& keys, const ConstMatrixRef<T>& values) {
+    const Index width = config_.n_kv_heads * config_.head_dim;
+    detail::check_shape("GqaCache::append", "keys", keys, -1, width);
+    detail::check_shape("GqaCache::append", "values", values, keys.rows(), width);
+    ensure_capacity(tokens() + keys.rows());
+    keys_.write_rows(keys);
+    values_.write_rows(values);
+    keys_.commit(keys.rows());
+    values_.commit(keys.rows());
+  }
+
+  /// KV head g's cached keys / values, tokens() x d_h.
+  auto keys(Index g) const { return keys_.block(g); }
+  auto values(Index g) const { return values_.block(g); }
+
+  /// Scratch of the decode step, owned by the cache because a cache belongs to one
+  /// sequence and one thread at a time: decode then allocates nothing once the cache
+  /// has capacity, and a layer stays immutable. Not counted in bytes().
+  struct Workspace {
+    RowVector<T> query, key, value, heads;  // 1 x H*d_h, n_kv*d_h, n_kv*d_h, H*d_h
+    RowMatrix<T> scores;                    // group_size x capacity
+  };
+  Workspace& workspace() noexcept { return workspace_; }
+
+  /// Grows geometrically to hold `needed` tokens. Strong exception guarantee.
+  void ensure_capacity(Index needed) {
+    if (needed > capacity()) reserve(detail::grown_capacity(capacity(), needed));
+  }
+
+  /// Internal: writes one token's keys/values (after ensure_capacity); never throws.
+  template <class KeyRow, class ValueRow>
+  void push_row(const KeyRow& key, const ValueRow& value) noexcept {
+    keys_.write_rows(key);
+    values_.write_rows(value);
+    keys_.commit(1);
+    values_.commit(1);
+  }
+
+ private:
+  static const GqaConfig& validated(const GqaConfig& config) {
+    config.validate();
+    return config;
+  }
+  void truncate_unchecked(Index n) noexcept {
+    keys_.set_tokens(n);
+    values_.set_tokens(n);
+  }
+
+  GqaConfig config_;
+  TokenBuffer<S> keys_;
+  TokenBuffer<S> values_;
+  Workspace workspace_;
+};
+
+static_assert(detail::check_kv_cache<GqaCache<float>>());
+static_assert(detail::check_kv_cache<GqaCache<double, float>>());
+
+}  // namespace kvattn

@@ -1,0 +1,118 @@
+// A growable per-token buffer laid out block-major, the building block of caches.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvattn/core/errors.hpp"
+#include "kvattn/core/types.hpp"
+
+namespace kvattn {
+
+/// Stores, for each cached token, `blocks` rows of `width` scalars of type S (for
+/// example one block per KV head). Block b's tokens are contiguous:
+/// element (b, t, j) sits at data[(b * capacity + t) * width + j], so a decode step
+/// streams each block as one dense `tokens x width` matrix.
+///
+/// Growth is two-phase so a cache made of several buffers can grow all of them
+/// and then commit with non-throwing swaps: `grown(n)` allocates and copies (may
+/// throw, leaves *this untouched), `swap` commits.
+template <class S>
+class TokenBuffer {
+ public:
+  using Block = Eigen::Map<RowMatrix<S>, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using ConstBlock = Eigen::Map<const RowMatrix<S>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+  TokenBuffer() = default;
+  TokenBuffer(Index blocks, Index width) : blocks_(blocks), width_(width) {}
+
+  Index blocks() const { return blocks_; }
+  Index width() const { return width_; }
+  Index tokens() const { return tokens_; }
+  Index capacity() const { return capacity_; }
+  /// Scalars stored per token: blocks * width.
+  Index elements_per_token() const { return blocks_ * width_; }
+  /// Bytes of the cached tokens' entries.
+  std::size_t bytes() const {
+    return static_cast<std::size_t>(tokens_) * static_cast<std::size_t>(elements_per_token()) *
+           sizeof(S);
+  }
+  /// Bytes of the allocation.
+  std::size_t capacity_bytes() const { return data_.size() * sizeof(S); }
+
+  /// A copy with room for `capacity` tokens (>= tokens()). May throw; *this is untouched.
+  TokenBuffer grown(Index capacity) const {
+    TokenBuffer next(blocks_, width_);
+    next.data_.resize(static_cast<std::size_t>(capacity * blocks_ * width_));
+    next.capacity_ = capacity;
+    next.tokens_ = tokens_;
+    for (Index b = 0; b < blocks_; ++b) {
+      std::copy_n(data_.data() + b * capacity_ * width_, tokens_ * width_,
+                  next.data_.data() + b * capacity * width_);
+    }
+    return next;
+  }
+
+  void swap(TokenBuffer& other) noexcept {
+    std::swap(blocks_, other.blocks_);
+    std::swap(width_, other.width_);
+    std::swap(tokens_, other.tokens_);
+    std::swap(capacity_, other.capacity_);
+    data_.swap(other.data_);
+  }
+
+  /// Pointer to token t of block b (t may be tokens() .. capacity()-1 for writes).
+  S* row(Index block, Index token) { return data_.data() + (block * capacity_ + token) * width_; }
+  const S* row(Index block, Index token) const {
+    return data_.data() + (block * capacity_ + token) * width_;
+  }
+
+  /// Block b's cached tokens as a `tokens() x width` matrix.
+  ConstBlock block(Index b) const {
+    return ConstBlock(row(b, 0), tokens_, width_, Eigen::OuterStride<>(width_));
+  }
+
+  /// Writes `values` (n x blocks*width, block b in columns [b*width, (b+1)*width))
+  /// as tokens tokens() ... tokens()+n-1. Requires capacity; never throws.
+  template <class Derived>
+  void write_rows(const Eigen::MatrixBase<Derived>& values) noexcept {
+    for (Index t = 0; t < values.rows(); ++t) {
+      for (Index b = 0; b < blocks_; ++b) {
+        S* dst = row(b, tokens_ + t);
+        for (Index j = 0; j < width_; ++j) dst[j] = static_cast<S>(values(t, b * width_ + j));
+      }
+    }
+  }
+
+  /// Counts `n` written rows as cached.
+  void commit(Index n) noexcept { tokens_ += n; }
+  void set_tokens(Index n) noexcept { tokens_ = n; }
+
+ private:
+  Index blocks_ = 0;
+  Index width_ = 0;
+  Index tokens_ = 0;
+  Index capacity_ = 0;
+  std::vector<S> data_;
+};
+
+namespace detail {
+
+/// Capacity after geometric growth to hold at least `needed` tokens.
+inline Index grown_capacity(Index current, Index needed) {
+  return std::max({needed, current * 2, Index{16}});
+}
+
+/// The shared range check of truncate(n).
+inline void check_truncate(const char* where, Index n, Index tokens) {
+  if (n < 0 || n > tokens) {
+    throw shape_error(std::string(where) + ": truncate(" + std::to_string(n) +
+                      ") needs 0 <= n <= tokens() (" + std::to_string(tokens) + ")");
+  }
+}
+
+}  // namespace detail
+}  // namespace kvattn

@@ -1,0 +1,57 @@
+// Error types thrown by every public call on bad input, in every build type.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "kvattn/core/types.hpp"
+
+namespace kvattn {
+
+/// A configuration breaks a rule; the message names the field, its value and the rule.
+class config_error : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// An argument has the wrong shape; the message names the argument, the expected
+/// shape and the shape that came.
+class shape_error : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+namespace detail {
+
+/// "(any x 128)" style shape text; a negative extent means "any".
+inline std::string shape_text(Index rows, Index cols) {
+  auto extent = [](Index n) { return n < 0 ? std::string("any") : std::to_string(n); };
+  return "(" + extent(rows) + " x " + extent(cols) + ")";
+}
+
+/// Throws shape_error unless `actual` is `expected_rows x expected_cols`
+/// (a negative expected extent accepts any value).
+template <class Matrix>
+void check_shape(const char* where, const char* what, const Matrix& actual, Index expected_rows,
+                 Index expected_cols) {
+  const bool rows_ok = expected_rows < 0 || actual.rows() == expected_rows;
+  const bool cols_ok = expected_cols < 0 || actual.cols() == expected_cols;
+  if (!rows_ok || !cols_ok) {
+    throw shape_error(std::string(where) + ": " + what + " has shape " +
+                      shape_text(actual.rows(), actual.cols()) + ", expected " +
+                      shape_text(expected_rows, expected_cols));
+  }
+}
+
+/// Throws config_error with "<where>: <field> (<value>) <rule>" unless `ok`.
+template <class Value>
+void require(bool ok, const char* where, const char* field, const Value& value,
+             const std::string& rule) {
+  if (!ok) {
+    throw config_error(std::string(where) + ": " + field + " (" + std::to_string(value) + ") " +
+                       rule);
+  }
+}
+
+}  // namespace detail
+}  // namespace kvattn

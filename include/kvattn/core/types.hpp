@@ -1,0 +1,36 @@
+// Scalar and matrix types shared by every mechanism.
+//
+// Conventions (see docs/api.md):
+//   * A sequence is a row-major matrix, one row per token: L x d.
+//   * Weights are stored `in x out`, so a projection is Y = X * W
+//     (PyTorch's nn.Linear stores `out x in`; converting is a transpose).
+#pragma once
+
+#include <Eigen/Core>
+
+namespace kvattn {
+
+using Index = Eigen::Index;
+
+/// Row-major dynamic matrix: rows are tokens, columns are features.
+template <class T>
+using RowMatrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// A single token: a 1 x d row.
+template <class T>
+using RowVector = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+
+/// Read-only view of a row-major matrix; accepts blocks with an outer stride
+/// (e.g. a column slice of a wider matrix) without copying.
+template <class T>
+using ConstMatrixRef = Eigen::Ref<const RowMatrix<T>>;
+
+/// Read-only view of one token row.
+template <class T>
+using ConstRowRef = Eigen::Ref<const RowVector<T>>;
+
+/// Writable view of one token row (the caller-provided decode output).
+template <class T>
+using RowRef = Eigen::Ref<RowVector<T>>;
+
+}  // namespace kvattn

@@ -1,0 +1,16 @@
+// Umbrella header: every public kvattn header except the expanded references
+// (include "kvattn/reference/..." for those).
+#pragma once
+
+#include "kvattn/attention/gqa.hpp"
+#include "kvattn/attention/gqa_config.hpp"
+#include "kvattn/cache/gqa_cache.hpp"
+#include "kvattn/cache/kv_cache.hpp"
+#include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/core/errors.hpp"
+#include "kvattn/core/mask.hpp"
+#include "kvattn/core/random.hpp"
+#include "kvattn/core/rope.hpp"
+#include "kvattn/core/softmax.hpp"
+#include "kvattn/core/types.hpp"
+#include "kvattn/version.hpp"
