@@ -10,6 +10,7 @@
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/mask.hpp"
 #include "kvattn/core/random.hpp"
+#include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
 #include "kvattn/core/softmax.hpp"
 #include "kvattn/core/types.hpp"
