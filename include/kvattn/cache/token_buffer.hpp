@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,11 @@ class TokenBuffer {
 
   /// A copy with room for `capacity` tokens (>= tokens()). May throw; *this is untouched.
   TokenBuffer grown(Index capacity) const {
+    const Index per_token = std::max(Index{1}, blocks_ * width_);
+    if (capacity > static_cast<Index>(std::vector<S>().max_size()) / per_token) {
+      throw std::length_error("TokenBuffer: a capacity of " + std::to_string(capacity) +
+                              " tokens does not fit in memory");
+    }
     TokenBuffer next(blocks_, width_);
     next.data_.resize(static_cast<std::size_t>(capacity * blocks_ * width_));
     next.capacity_ = capacity;

@@ -24,9 +24,15 @@ class shape_error : public std::invalid_argument {
 namespace detail {
 
 /// "(any x 128)" style shape text; a negative extent means "any".
+// Built with += rather than "literal" + std::string: GCC 12 reports a false
+// -Wrestrict on the inlined operator+ at -O2 (GCC bug 105329).
 inline std::string shape_text(Index rows, Index cols) {
-  auto extent = [](Index n) { return n < 0 ? std::string("any") : std::to_string(n); };
-  return "(" + extent(rows) + " x " + extent(cols) + ")";
+  std::string text = "(";
+  text += rows < 0 ? std::string("any") : std::to_string(rows);
+  text += " x ";
+  text += cols < 0 ? std::string("any") : std::to_string(cols);
+  text += ")";
+  return text;
 }
 
 /// Throws shape_error unless `actual` is `expected_rows x expected_cols`
