@@ -1,0 +1,133 @@
+// Configuration of multi-head latent attention (MLA, DeepSeek-V2).
+//
+// Symbols follow seed 002 (Chapters 2-3) and the DeepSeek-V2 paper; the Hugging Face
+// config.json key is given where it differs.
+#pragma once
+
+#include <cmath>
+#include <string>
+
+#include "kvattn/core/errors.hpp"
+#include "kvattn/core/rope.hpp"
+#include "kvattn/core/types.hpp"
+#include "kvattn/core/yarn.hpp"
+
+namespace kvattn {
+
+/// Multi-head latent attention. Per token the cache holds the (normalized) KV latent
+/// c_kv (d_c) and one rope key k_R (d_R) shared by all heads: d_c + d_R elements.
+/// Head h scores with [q_h^nope ; q_h^R] . [k_h^nope ; k_R], where
+/// k_h^nope = c_kv . W_UK_h and v_h = c_kv . W_UV_h.
+struct MlaConfig {
+  Index d_model = 0;      // d, hidden size
+  Index n_heads = 0;      // H (n_h), attention heads
+  Index kv_rank = 0;      // d_c, KV compression width (kv_lora_rank); the cached latent
+  Index q_rank = 0;       // d_c', query compression width (q_lora_rank); 0: none
+  Index qk_nope_dim = 0;  // d_nope (seed: d_h), content part of each query/key head
+  Index rope_dim = 0;     // d_R (seed: d_h^R), decoupled rope width; k_R is shared by all heads
+  Index v_dim = 0;        // d_v, value head width (may differ from d_nope)
+  RopeConfig rope{};      // layout / theta / position offset of the rope channel (width d_R)
+  YarnConfig yarn{};      // YaRN on the rope channel; also multiplies the softmax scale by m^2
+  bool q_norm = false;    // RMSNorm (with gain) on the query latent c_q; needs q_rank > 0
+  bool kv_norm = true;    // RMSNorm (with gain) on c_kv; the cached latent is the normalized one
+  double norm_epsilon = 1e-6;  // epsilon inside both RMSNorms (rms_norm_eps)
+  double softmax_scale = 0.0;  // 0: 1/sqrt(d_nope + d_R) * m^2 (see scale())
+
+  /// Width of one query/key head, d_nope + d_R (q_head_dim).
+  Index qk_head_dim() const { return qk_nope_dim + rope_dim; }
+  /// Width of all query heads, H * (d_nope + d_R).
+  Index query_width() const { return n_heads * qk_head_dim(); }
+  /// Stored elements per cached token, d_c + d_R.
+  Index cache_width() const { return kv_rank + rope_dim; }
+  /// YaRN's attention factor m (1 without YaRN); the scale carries m^2.
+  double attention_factor() const { return yarn_attention_factor(yarn); }
+
+  /// The softmax scale: softmax_scale if set, else 1/sqrt(d_nope + d_R) * m^2. It is
+  /// the width of the dotted head vectors [q^nope; q^R] (seed 002, Chapter 3), never
+  /// the width of the cached row (d_c + d_R) that absorbed decode dots against.
+  double scale() const {
+    if (softmax_scale > 0.0) return softmax_scale;
+    const double m = attention_factor();
+    return m * m / std::sqrt(static_cast<double>(qk_head_dim()));
+  }
+
+  void validate() const {
+    constexpr const char* where = "MlaConfig";
+    detail::require(d_model >= 1, where, "d_model", d_model, "must be >= 1");
+    detail::require(n_heads >= 1, where, "n_heads", n_heads, "must be >= 1");
+    detail::require(kv_rank >= 1, where, "kv_rank", kv_rank, "must be >= 1");
+    detail::require(q_rank >= 0, where, "q_rank", q_rank,
+                    "must be >= 0 (0 means no query compression)");
+    detail::require(qk_nope_dim >= 1, where, "qk_nope_dim", qk_nope_dim, "must be >= 1");
+    detail::require(rope_dim >= 0, where, "rope_dim", rope_dim,
+                    "must be >= 0 (0 means no decoupled rope channel)");
+    detail::require(v_dim >= 1, where, "v_dim", v_dim, "must be >= 1");
+    detail::require(!q_norm || q_rank > 0, where, "q_rank", q_rank,
+                    "must be > 0 when q_norm is set (there is no query latent to normalize)");
+    if (!(norm_epsilon > 0.0) || !std::isfinite(norm_epsilon)) {
+      throw config_error(std::string(where) + ": norm_epsilon (" + std::to_string(norm_epsilon) +
+                         ") must be finite and > 0");
+    }
+    if (!(softmax_scale >= 0.0) || !std::isfinite(softmax_scale)) {
+      throw config_error(std::string(where) + ": softmax_scale (" + std::to_string(softmax_scale) +
+                         ") must be finite and >= 0 (0 selects 1/sqrt(qk_nope_dim + rope_dim)" +
+                         " times YaRN's m^2)");
+    }
+    rope.validate(where);
+    yarn.validate(where);
+    if (rope.enabled()) {
+      detail::require(rope_dim >= 2 && rope_dim % 2 == 0, where, "rope_dim", rope_dim,
+                      "must be even and >= 2 when RoPE is enabled");
+    }
+    if (yarn.enabled && !rope.enabled()) {
+      throw config_error(std::string(where) +
+                         ": yarn.enabled (1) needs RoPE: set rope.layout to half_split or "
+                         "interleaved");
+    }
+  }
+
+  bool operator==(const MlaConfig&) const = default;
+};
+
+/// DeepSeek-V2's attention (236B; config.json of deepseek-ai/DeepSeek-V2): d 5120,
+/// 128 heads, d_c 512, d_c' 1536, d_nope 128, d_R 64, d_v 128, interleaved RoPE with
+/// theta 10000 and YaRN (factor 40 over 4096 positions, beta 32/1, mscale 0.707/0.707).
+inline MlaConfig deepseek_v2_config() {
+  MlaConfig c;
+  c.d_model = 5120;
+  c.n_heads = 128;
+  c.kv_rank = 512;
+  c.q_rank = 1536;
+  c.qk_nope_dim = 128;
+  c.rope_dim = 64;
+  c.v_dim = 128;
+  c.rope = {RopeLayout::interleaved, 10000.0, 0};
+  c.yarn = {true, 40.0, 4096, 32.0, 1.0, 0.707, 0.707};
+  c.q_norm = true;
+  c.kv_norm = true;
+  c.norm_epsilon = 1e-6;
+  return c;
+}
+
+/// DeepSeek-V2-Lite's attention (16B): d 2048, 16 heads, no query compression,
+/// otherwise as DeepSeek-V2.
+inline MlaConfig deepseek_v2_lite_config() {
+  MlaConfig c = deepseek_v2_config();
+  c.d_model = 2048;
+  c.n_heads = 16;
+  c.q_rank = 0;
+  c.q_norm = false;
+  return c;
+}
+
+/// DeepSeek-V3's attention (671B): d 7168, 128 heads, YaRN mscale 1.0/1.0, otherwise
+/// as DeepSeek-V2.
+inline MlaConfig deepseek_v3_config() {
+  MlaConfig c = deepseek_v2_config();
+  c.d_model = 7168;
+  c.yarn.mscale = 1.0;
+  c.yarn.mscale_all_dim = 1.0;
+  return c;
+}
+
+}  // namespace kvattn
