@@ -1,0 +1,217 @@
+// The KV cache of LRKV: shared K_s, V_s and each head's latents R_h^K, R_h^V.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <type_traits>
+
+#include "kvattn/attention/lrkv_config.hpp"
+#include "kvattn/cache/kv_cache.hpp"
+#include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/core/errors.hpp"
+#include "kvattn/core/types.hpp"
+
+namespace kvattn {
+
+/// Per token (seed 000, Eqs. 4-5 and the cache table):
+///   key row    [ k~_s,t (d_h) | r~_1,t ... r~_H,t (r each) | k~_R,t (d_R, decoupled) ]
+///   value row  [ v_s,t  (d_h) | r^V_1,t ... r^V_H,t (r each) ]
+///   key RMS    [ rho_1,t ... rho_H,t ]                       (key_norm only)
+/// that is 2 * (d_h + H * r) + d_R + H elements, the first two rows of storage type S.
+/// Each token's row is contiguous, so a decode step streams the cache once, front to
+/// back, scoring every head on the way (no head reads another buffer region).
+///
+/// What is stored is what the factored logits consume (see docs/lrkv.md):
+///   k~_s,t  = P_t (g (.) k_s,t)  - the shared key after the key-norm gain g (key_norm)
+///             and RoPE (rope_mode shared / commuting); k_s,t itself otherwise;
+///   r~_h,t  = P~_t r_h,t (commuting: each latent pair rotated by its plane's angle),
+///             r_h,t otherwise;
+///   k~_R,t  = P_t k_R,t, the decoupled rotary key;
+///   rho_h,t = RMS of head h's full key k_s,t + B_h^K r_h,t, computed when the token
+///             is appended. Stored as norm_type: fp32, or S when S is wider (double),
+///             so a double cache stays exact to double precision.
+///
+/// T is the compute type of the layer that fills it; S (default T) the storage type.
+/// A cache belongs to one sequence and one thread at a time; copying forks it.
+template <class T, class S = T>
+class LrkvCache {
+ public:
+  using compute_type = T;
+  using storage_type = S;
+  /// Scalar of the per-head key RMS: at least fp32 whatever S is.
+  using norm_type = std::conditional_t<(sizeof(S) > sizeof(float)), S, float>;
+  using Map = Eigen::Map<const RowMatrix<S>, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using NormMap = Eigen::Map<const RowMatrix<norm_type>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+  /// Already-projected rows for append, n tokens each (as stored, see above):
+  ///   shared_keys     n x d_h        k~_s (gain and RoPE applied as the mode defines)
+  ///   shared_values   n x d_h        v_s
+  ///   residual_keys   n x (H * r)    r~_h, head h in columns [h*r, (h+1)*r)
+  ///   residual_values n x (H * r)    r^V_h, same layout
+  ///   rope_keys       n x d_R        k~_R (decoupled), n x 0 otherwise
+  ///   key_rms         n x H          rho_h (key_norm, each > 0), n x 0 otherwise
+  struct rows_type {
+    ConstMatrixRef<T> shared_keys;
+    ConstMatrixRef<T> shared_values;
+    ConstMatrixRef<T> residual_keys;
+    ConstMatrixRef<T> residual_values;
+    ConstMatrixRef<T> rope_keys;
+    ConstMatrixRef<T> key_rms;
+  };
+
+  explicit LrkvCache(const LrkvConfig& config, Index reserve_tokens = 0)
+      : config_(validated(config)),
+        keys_(1, config.head_dim + config.n_heads * config.rank + config.decoupled_dim()),
+        values_(1, config.head_dim + config.n_heads * config.rank),
+        norms_(1, config.key_norm ? config.n_heads : 0) {
+    if (reserve_tokens > 0) reserve(reserve_tokens);
+  }
+
+  const LrkvConfig& config() const { return config_; }
+  Index tokens() const { return keys_.tokens(); }
+  Index capacity() const { return keys_.capacity(); }
+  /// 2 * (d_h + H * r) + d_R (decoupled) + H (key_norm), from the buffers' widths.
+  Index elements_per_token() const {
+    return keys_.elements_per_token() + values_.elements_per_token() + norms_.elements_per_token();
+  }
+  std::size_t bytes() const { return keys_.bytes() + values_.bytes() + norms_.bytes(); }
+  std::size_t capacity_bytes() const {
+    return keys_.capacity_bytes() + values_.capacity_bytes() + norms_.capacity_bytes();
+  }
+
+  /// Makes room for `n` tokens in total; never shrinks. Strong exception guarantee.
+  void reserve(Index n) {
+    if (n < 0) throw shape_error("LrkvCache::reserve: n (" + std::to_string(n) + ") must be >= 0");
+    if (n <= capacity()) return;
+    auto keys = keys_.grown(n);
+    auto values = values_.grown(n);
+    auto norms = norms_.grown(n);
+    keys_.swap(keys);
+    values_.swap(values);
+    norms_.swap(norms);
+  }
+
+  void clear() noexcept { truncate_unchecked(0); }
+
+  /// Rolls back to the first n tokens (speculative decoding). Keeps capacity.
+  void truncate(Index n) {
+    detail::check_truncate("LrkvCache", n, tokens());
+    truncate_unchecked(n);
+  }
+
+  /// Appends n tokens of raw rows (shapes above). Strong exception guarantee.
+  void append(const rows_type& rows) {
+    constexpr const char* where = "LrkvCache::append";
+    const Index n = rows.shared_keys.rows();
+    const Index dh = config_.head_dim;
+    const Index hr = config_.n_heads * config_.rank;
+    detail::check_shape(where, "shared_keys", rows.shared_keys, -1, dh);
+    detail::check_shape(where, "shared_values", rows.shared_values, n, dh);
+    detail::check_shape(where, "residual_keys", rows.residual_keys, n, hr);
+    detail::check_shape(where, "residual_values", rows.residual_values, n, hr);
+    detail::check_shape(where, "rope_keys", rows.rope_keys, n, config_.decoupled_dim());
+    detail::check_shape(where, "key_rms", rows.key_rms, n, config_.key_norm ? config_.n_heads : 0);
+    ensure_capacity(tokens() + n);
+    for (Index t = 0; t < n; ++t) {
+      write_token(rows.shared_keys.row(t), rows.residual_keys.row(t), rows.rope_keys.row(t),
+                  rows.shared_values.row(t), rows.residual_values.row(t), rows.key_rms.row(t));
+    }
+  }
+
+  /// Cached tokens x d_h: the stored shared keys k~_s / values v_s.
+  Map shared_keys() const { return view(keys_, 0, config_.head_dim); }
+  Map shared_values() const { return view(values_, 0, config_.head_dim); }
+  /// Cached tokens x r: head h's stored key latents r~_h / value latents r^V_h.
+  Map residual_keys(Index h) const {
+    return view(keys_, config_.head_dim + h * config_.rank, config_.rank);
+  }
+  Map residual_values(Index h) const {
+    return view(values_, config_.head_dim + h * config_.rank, config_.rank);
+  }
+  /// Cached tokens x d_R: the stored decoupled rotary keys (decoupled mode).
+  Map rope_keys() const {
+    return view(keys_, config_.head_dim + config_.n_heads * config_.rank, config_.decoupled_dim());
+  }
+  /// Cached tokens x H: the key RMS rho_h,t (key_norm), tokens x 0 otherwise.
+  NormMap key_rms() const {
+    return NormMap(norms_.row(0, 0), tokens(), norms_.width(),
+                   Eigen::OuterStride<>(norms_.width()));
+  }
+
+  /// Whole stored rows of token t: key row, value row, key RMS row (layout above).
+  const S* key_row(Index t) const { return keys_.row(0, t); }
+  const S* value_row(Index t) const { return values_.row(0, t); }
+  const norm_type* rms_row(Index t) const { return norms_.row(0, t); }
+
+  /// Scratch of the decode step, owned by the cache because a cache belongs to one
+  /// sequence and one thread at a time: decode then allocates nothing once the cache
+  /// has capacity, and a layer stays immutable. Not counted in bytes().
+  struct Workspace {
+    RowVector<T> query;         // 1 x H*d_h   q_h for the shared path (scaled, maybe rotated)
+    RowVector<T> query_latent;  // 1 x H*r     q_h (.) g B_h^K (scaled)
+    RowVector<T> query_rope;    // 1 x H*d_R   P_i q_h^R (scaled)
+    RowVector<T> key;           // 1 x key width    the new token's key row
+    RowVector<T> value;         // 1 x value width  the new token's value row
+    RowVector<T> rms;           // 1 x H       the new token's key RMS
+    RowVector<T> scratch;       // 1 x d_h     one head's materialized new key / gained query
+    RowVector<T> heads;         // 1 x H*d_h   per-head outputs o_h
+    RowVector<T> latent_acc;    // 1 x H*r     a_h R_h^V
+    RowVector<T> row;           // 1 x max(key, value width): a cached row converted from S
+    RowMatrix<T> scores;        // H x capacity
+  };
+  Workspace& workspace() noexcept { return workspace_; }
+
+  /// Grows geometrically to hold `needed` tokens. Strong exception guarantee.
+  void ensure_capacity(Index needed) {
+    if (needed > capacity()) reserve(detail::grown_capacity(capacity(), needed));
+  }
+
+  /// Internal: writes one token (after ensure_capacity) and counts it; never throws.
+  template <class A, class B, class C, class D, class E, class F>
+  void write_token(const A& shared_key, const B& residual_key, const C& rope_key,
+                   const D& shared_value, const E& residual_value, const F& key_rms) noexcept {
+    const Index t = tokens();
+    const Index dh = config_.head_dim;
+    const Index hr = config_.n_heads * config_.rank;
+    S* k = keys_.row(0, t);
+    for (Index j = 0; j < dh; ++j) k[j] = static_cast<S>(shared_key(j));
+    for (Index j = 0; j < hr; ++j) k[dh + j] = static_cast<S>(residual_key(j));
+    for (Index j = 0; j < config_.decoupled_dim(); ++j)
+      k[dh + hr + j] = static_cast<S>(rope_key(j));
+    S* v = values_.row(0, t);
+    for (Index j = 0; j < dh; ++j) v[j] = static_cast<S>(shared_value(j));
+    for (Index j = 0; j < hr; ++j) v[dh + j] = static_cast<S>(residual_value(j));
+    norm_type* n = norms_.row(0, t);
+    for (Index j = 0; j < norms_.width(); ++j) n[j] = static_cast<norm_type>(key_rms(j));
+    keys_.commit(1);
+    values_.commit(1);
+    norms_.commit(1);
+  }
+
+ private:
+  static const LrkvConfig& validated(const LrkvConfig& config) {
+    config.validate();
+    return config;
+  }
+  static Map view(const TokenBuffer<S>& buffer, Index first_col, Index cols) {
+    // An unallocated buffer has no data pointer to offset (UB even with 0 rows).
+    const S* base = buffer.capacity() > 0 ? buffer.row(0, 0) + first_col : nullptr;
+    return Map(base, buffer.tokens(), cols, Eigen::OuterStride<>(buffer.width()));
+  }
+  void truncate_unchecked(Index n) noexcept {
+    keys_.set_tokens(n);
+    values_.set_tokens(n);
+    norms_.set_tokens(n);
+  }
+
+  LrkvConfig config_;
+  TokenBuffer<S> keys_;
+  TokenBuffer<S> values_;
+  TokenBuffer<norm_type> norms_;
+  Workspace workspace_;
+};
+
+static_assert(detail::check_kv_cache<LrkvCache<float>>());
+static_assert(detail::check_kv_cache<LrkvCache<double, float>>());
+
+}  // namespace kvattn

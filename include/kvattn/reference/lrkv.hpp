@@ -1,0 +1,110 @@
+// Expanded reference of LRKV: every head's full key and value are materialized for
+// every token, K_h = K_s + R_h^K (B_h^K)^T and V_h = V_s + R_h^V (B_h^V)^T (seed 000,
+// Eqs. 4-5), normalized and rotated exactly as the config's model says, then dense
+// attention. It computes every rope_mode, `full` included. Used by tests and
+// benchmarks; the fast paths never include this header.
+#pragma once
+
+#include <cmath>
+#include <type_traits>
+
+#include "kvattn/attention/lrkv.hpp"
+#include "kvattn/core/mask.hpp"
+#include "kvattn/core/rope.hpp"
+#include "kvattn/reference/dense_attention.hpp"
+
+namespace kvattn::reference {
+
+/// The layer's output for a whole sequence x (L x d), token i at position
+/// rope.position_offset + i, under `mask` (causal by default). Returns L x d.
+///
+/// Per head h (rows are tokens; P rotates each row at its own position):
+///   none       scores Q_h K_h^T
+///   full,      scores (P Q_h)(P K_h)^T          (commuting is full RoPE, computed
+///   commuting                                    here on the materialized K_h)
+///   shared     scores [P Q_h, Q_h] [P K^s_h, K^r_h]^T, where K_h = K^s_h + K^r_h is split
+///              into its shared part and its residual part (after key norm)
+///   decoupled  scores [Q_h, P Q^R_h] [K_h, P K_R]^T
+/// with key norm K_h <- g (.) K_h / rho (row-wise RMS of K_s + R_h^K (B_h^K)^T) first.
+template <class T>
+RowMatrix<T> forward(const LrkvLayer<T>& layer, const ConstMatrixRef<std::type_identity_t<T>>& x,
+                     const Mask& mask = Mask::causal()) {
+  const LrkvConfig& c = layer.config();
+  const LrkvWeights<T>& w = layer.weights();
+  detail::check_shape("reference::forward", "x", x, -1, c.d_model);
+  const Index L = x.rows();
+  const Index dh = c.head_dim;
+  const Index r = c.rank;
+  const Index dr = c.decoupled_dim();
+  const T scale = static_cast<T>(c.scale());
+  const Rope rope_head = c.rotates_shared() ? Rope(c.rope, dh) : Rope();
+  const Rope rope_decoupled = dr > 0 ? Rope(c.rope, dr) : Rope();
+  auto position = [&](Index i) { return static_cast<double>(c.rope.position_offset + i); };
+  auto rotate_rows = [&](RowMatrix<T>& m, const Rope& rope) {
+    for (Index i = 0; i < m.rows(); ++i) rope.rotate(m.row(i).data(), position(i));
+  };
+
+  const RowMatrix<T> k_shared_raw = x * w.w_k_shared;  // K_s
+  const RowMatrix<T> v_shared = x * w.w_v_shared;      // V_s
+  RowMatrix<T> k_rope;                                 // P K_R (decoupled)
+  if (dr > 0) {
+    k_rope = x * w.w_kr;
+    rotate_rows(k_rope, rope_decoupled);
+  }
+  RowMatrix<T> heads(L, c.n_heads * dh);
+  for (Index h = 0; h < c.n_heads; ++h) {
+    RowMatrix<T> q = x * w.w_q.middleCols(h * dh, dh);
+    // The head's full key and value, materialized for every token.
+    RowMatrix<T> k_shared = k_shared_raw;
+    RowMatrix<T> k_residual =
+        (x * w.u_k.middleCols(h * r, r)) * w.b_k.middleCols(h * r, r).transpose();
+    const RowMatrix<T> v =
+        v_shared + (x * w.u_v.middleCols(h * r, r)) * w.b_v.middleCols(h * r, r).transpose();
+    if (c.key_norm) {
+      for (Index t = 0; t < L; ++t) {
+        const RowVector<T> full = k_shared.row(t) + k_residual.row(t);
+        const T rho =
+            std::sqrt(full.squaredNorm() / static_cast<T>(dh) + static_cast<T>(c.key_norm_epsilon));
+        k_shared.row(t) = k_shared.row(t).cwiseProduct(w.key_norm_gain) / rho;
+        k_residual.row(t) = k_residual.row(t).cwiseProduct(w.key_norm_gain) / rho;
+      }
+    }
+    RowMatrix<T> q_model, k_model;
+    switch (c.rope_mode) {
+      case LrkvRopeMode::none:
+        q_model = q;
+        k_model = k_shared + k_residual;
+        break;
+      case LrkvRopeMode::full:
+      case LrkvRopeMode::commuting:
+        q_model = q;
+        k_model = k_shared + k_residual;
+        rotate_rows(q_model, rope_head);
+        rotate_rows(k_model, rope_head);
+        break;
+      case LrkvRopeMode::shared: {
+        RowMatrix<T> q_rotated = q;
+        rotate_rows(q_rotated, rope_head);
+        rotate_rows(k_shared, rope_head);
+        q_model.resize(L, 2 * dh);
+        k_model.resize(L, 2 * dh);
+        q_model << q_rotated, q;
+        k_model << k_shared, k_residual;
+        break;
+      }
+      case LrkvRopeMode::decoupled: {
+        RowMatrix<T> q_rope = x * w.w_qr.middleCols(h * dr, dr);
+        rotate_rows(q_rope, rope_decoupled);
+        q_model.resize(L, dh + dr);
+        k_model.resize(L, dh + dr);
+        q_model << q, q_rope;
+        k_model << k_shared + k_residual, k_rope;
+        break;
+      }
+    }
+    heads.middleCols(h * dh, dh) = attention<T>(q_model, k_model, v, scale, mask);
+  }
+  return heads * w.w_o;
+}
+
+}  // namespace kvattn::reference
