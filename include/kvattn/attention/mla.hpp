@@ -187,7 +187,17 @@ void mla_causal_attention(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
         running_max(r) = new_max;
       }
       acc.topRows(q_rows) = rescale.head(q_rows).asDiagonal() * acc.topRows(q_rows);
-      acc.topRows(q_rows).noalias() += s * v.middleRows(k0, k_rows);
+      if (k0 + k_rows <= past + q0 + 1) {  // every key of the tile is visible to every row
+        acc.topRows(q_rows).noalias() += s * v.middleRows(k0, k_rows);
+      } else {
+        // On the diagonal, row r reads only its visible values: a masked weight is 0,
+        // but 0 * (a NaN in a later token's value) would still leak into row r.
+        for (Index r = 0; r < q_rows; ++r) {
+          const Index visible = std::min(k_rows, past + q0 + r - k0 + 1);
+          if (visible <= 0) continue;
+          acc.row(r).noalias() += s.row(r).head(visible) * v.middleRows(k0, visible);
+        }
+      }
     }
     // Every query sees at least itself, so the normalizer is >= 1.
     out.middleRows(q0, q_rows) =
