@@ -45,6 +45,11 @@ TEST_CASE("every wrong shape to a public call throws shape_error naming both sha
                       Contains("x") && Contains("(3 x 10)") && Contains("(any x 12)"));
   const RowVector<double> bad_row = RowVector<double>::Ones(11);
   REQUIRE_THROWS_WITH(layer.decode(bad_row, cache), Contains("(1 x 11)") && Contains("(1 x 12)"));
+  const RowMatrix<double> two_rows = RowMatrix<double>::Ones(2, 12);
+  REQUIRE_THROWS_WITH(layer.decode(two_rows, cache), Contains("(2 x 12)") && Contains("(1 x 12)"));
+  RowMatrix<double> out_two_rows(2, 12);
+  REQUIRE_THROWS_WITH(layer.decode(two_rows.row(0), cache, out_two_rows),
+                      Contains("out") && Contains("(2 x 12)") && Contains("(1 x 12)"));
   const RowVector<double> good_row = RowVector<double>::Ones(12);
   RowVector<double> bad_out(13);
   REQUIRE_THROWS_AS(layer.decode(good_row, cache, bad_out), shape_error);

@@ -146,8 +146,11 @@ class GqaLayer {
   /// over the whole cache and writes the 1 x d output into `out`. All query heads of
   /// a KV group are scored in one pass over the group's keys, so each cached element
   /// is read once per step. Allocates nothing once the cache has capacity.
+  ///
+  /// x and out are taken as matrices so that a wrongly shaped argument (say 2 x d)
+  /// reaches the shape check instead of failing inside Eigen's conversion.
   template <class S>
-  void decode(const ConstRowRef<T>& x, GqaCache<T, S>& cache, RowRef<T> out) const {
+  void decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache, MatrixRef<T> out) const {
     check_cache(cache, "GqaLayer::decode");
     detail::check_shape("GqaLayer::decode", "x", x, 1, config_.d_model);
     detail::check_shape("GqaLayer::decode", "out", out, 1, config_.d_model);
@@ -156,9 +159,9 @@ class GqaLayer {
     prepare(ws, cache.capacity());
     // Everything that may throw is done; from here the step cannot fail.
     const Index position = cache.tokens();
-    ws.query.noalias() = x * weights_.w_q;
-    ws.key.noalias() = x * weights_.w_k;
-    ws.value.noalias() = x * weights_.w_v;
+    ws.query.noalias() = x.row(0) * weights_.w_q;
+    ws.key.noalias() = x.row(0) * weights_.w_k;
+    ws.value.noalias() = x.row(0) * weights_.w_v;
     if (config_.qkv_bias) {
       ws.query += weights_.b_q;
       ws.key += weights_.b_k;
@@ -169,12 +172,12 @@ class GqaLayer {
     rope_.rotate(ws.key.data(), angle_position, config_.n_kv_heads, config_.head_dim);
     cache.push_row(ws.key, ws.value);
     attend_decode(cache, ws);
-    out.noalias() = ws.heads * weights_.w_o;
+    out.row(0).noalias() = ws.heads * weights_.w_o;
   }
 
   /// Convenience overload returning the 1 x d output (allocates the result).
   template <class S>
-  RowVector<T> decode(const ConstRowRef<T>& x, GqaCache<T, S>& cache) const {
+  RowVector<T> decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache) const {
     RowVector<T> out(config_.d_model);
     decode(x, cache, out);
     return out;

@@ -25,6 +25,10 @@ using RowVector = Eigen::Matrix<T, 1, Eigen::Dynamic>;
 template <class T>
 using ConstMatrixRef = Eigen::Ref<const RowMatrix<T>>;
 
+/// Writable view of a row-major matrix (e.g. a caller-provided output row).
+template <class T>
+using MatrixRef = Eigen::Ref<RowMatrix<T>>;
+
 /// Read-only view of one token row.
 template <class T>
 using ConstRowRef = Eigen::Ref<const RowVector<T>>;
