@@ -2,6 +2,10 @@
 // (include "kvattn/reference/..." for those).
 #pragma once
 
+#include "kvattn/analysis/budget.hpp"
+#include "kvattn/analysis/cache_size.hpp"
+#include "kvattn/analysis/dtype.hpp"
+#include "kvattn/analysis/params.hpp"
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/gqa_config.hpp"
 #include "kvattn/cache/gqa_cache.hpp"

@@ -1,0 +1,109 @@
+// Solving the cache formulas backwards: the largest d_c, LRKV rank or KV-head count
+// whose cache fits a per-token budget (seed 002, Chapter 4, "Running the calculator
+// backwards"). Pure constexpr functions of the configs.
+#pragma once
+
+#include <optional>
+
+#include "kvattn/analysis/cache_size.hpp"
+#include "kvattn/attention/gqa_config.hpp"
+#include "kvattn/attention/lrkv_config.hpp"
+#include "kvattn/attention/mla_config.hpp"
+#include "kvattn/core/types.hpp"
+
+namespace kvattn::analysis {
+
+enum class BudgetUnit { elements, bytes };
+
+/// A cap on what one token may cost over all `layers` layers of the model, in stored
+/// elements or in bytes (bytes use the storage the solver is given, scales included).
+struct Budget {
+  Index amount = 0;
+  BudgetUnit unit = BudgetUnit::elements;
+  constexpr bool operator==(const Budget&) const = default;
+};
+
+constexpr void check(const Budget& b) {
+  detail::require(b.amount >= 1, "Budget", "amount", b.amount, "must be >= 1");
+}
+
+/// What one token costs over `layers` layers, in the budget's unit.
+constexpr Index cost_per_token(const CacheLayout& layout, Index layers, const Budget& budget,
+                               const CacheStorage& storage = {}) {
+  return budget.unit == BudgetUnit::elements ? elements_per_token(layout, layers)
+                                             : bytes_per_token(layout, storage, layers);
+}
+
+/// Whether a layout fits the budget over `layers` layers.
+constexpr bool fits(const CacheLayout& layout, Index layers, const Budget& budget,
+                    const CacheStorage& storage = {}) {
+  check(budget);
+  return cost_per_token(layout, layers, budget, storage) <= budget.amount;
+}
+
+/// The real-valued bound on d_c from an elements budget: B / l - d_R (seed 002:
+/// 50,000 / 60 - 64 = 769.3).
+constexpr double kv_rank_bound(Index rope_dim, Index layers, Index budget_elements) {
+  detail::require(layers >= 1, "kv_rank_bound", "layers", layers, "must be >= 1");
+  return static_cast<double>(budget_elements) / static_cast<double>(layers) -
+         static_cast<double>(rope_dim);
+}
+
+/// The largest d_c, a multiple of `step`, such that MLA with the other fields of
+/// `base` fits the budget over `layers` layers (seed 002: 50,000 elements, d_R 64,
+/// l 60, step 32 -> 768). std::nullopt when not even d_c = step fits.
+constexpr std::optional<Index> max_kv_rank(MlaConfig base, Index layers, const Budget& budget,
+                                           const CacheStorage& storage = {}, Index step = 32) {
+  check(budget);
+  detail::require(step >= 1, "max_kv_rank", "step", step, "must be >= 1");
+  detail::require(layers >= 1, "max_kv_rank", "layers", layers, "must be >= 1");
+  auto fits_at = [&](Index k) {
+    base.kv_rank = k * step;
+    return fits(cache_layout(base), layers, budget, storage);
+  };
+  // Each latent element costs >= 1 element and >= 1 byte per layer, so
+  // d_c <= amount / layers bounds the search.
+  Index lo = 0;                                  // fits (vacuously: "none")
+  Index hi = budget.amount / layers / step + 1;  // does not fit
+  if (hi < 2 || !fits_at(1)) return std::nullopt;
+  lo = 1;
+  while (hi - lo > 1) {
+    const Index mid = lo + (hi - lo) / 2;
+    (fits_at(mid) ? lo : hi) = mid;
+  }
+  return lo * step;
+}
+
+/// The largest LRKV rank r in [0, d_h] such that LRKV with the other fields of `base`
+/// fits the budget. std::nullopt when not even r = 0 fits.
+constexpr std::optional<Index> max_lrkv_rank(LrkvConfig base, Index layers, const Budget& budget,
+                                             const CacheStorage& storage = {}) {
+  check(budget);
+  auto fits_at = [&](Index r) {
+    base.rank = r;
+    return fits(cache_layout(base), layers, budget, storage);
+  };
+  if (!fits_at(0)) return std::nullopt;
+  Index lo = 0;                  // fits
+  Index hi = base.head_dim + 1;  // beyond the valid range
+  while (hi - lo > 1) {
+    const Index mid = lo + (hi - lo) / 2;
+    (fits_at(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+/// The largest divisor n_kv of H such that GQA with the other fields of `base` fits
+/// the budget. std::nullopt when not even MQA (n_kv = 1) fits.
+constexpr std::optional<Index> max_kv_heads(GqaConfig base, Index layers, const Budget& budget,
+                                            const CacheStorage& storage = {}) {
+  check(budget);
+  for (Index n_kv = base.n_heads; n_kv >= 1; --n_kv) {
+    if (base.n_heads % n_kv != 0) continue;
+    base.n_kv_heads = n_kv;
+    if (fits(cache_layout(base), layers, budget, storage)) return n_kv;
+  }
+  return std::nullopt;
+}
+
+}  // namespace kvattn::analysis
