@@ -436,8 +436,11 @@ class LrkvLayer {
   /// pass over the cached key rows scores every head (K_s read once for all heads), one
   /// pass over the value rows accumulates a_h V_s and a_h R_h^V; no per-head key or value
   /// of a cached token is formed. Allocates nothing once the cache has capacity.
+  ///
+  /// x and out are taken as matrices so that a wrongly shaped argument (say 2 x d)
+  /// reaches the shape check instead of failing inside Eigen's conversion.
   template <class S>
-  void decode(const ConstRowRef<T>& x, LrkvCache<T, S>& cache, RowRef<T> out) const {
+  void decode(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache, MatrixRef<T> out) const {
     constexpr const char* where = "LrkvLayer::decode";
     check_factored(where);
     check_cache(cache, where);
@@ -450,25 +453,25 @@ class LrkvLayer {
     const Index dh = config_.head_dim;
     const Index hr = config_.n_heads * config_.rank;
     const Index dr = config_.decoupled_dim();
-    ws.key.head(dh).noalias() = x * weights_.w_k_shared;
-    ws.key.segment(dh, hr).noalias() = x * weights_.u_k;
-    ws.key.tail(dr).noalias() = x * weights_.w_kr;
-    ws.value.head(dh).noalias() = x * weights_.w_v_shared;
-    ws.value.tail(hr).noalias() = x * weights_.u_v;
-    ws.query.noalias() = x * weights_.w_q;
-    ws.query_rope.noalias() = x * weights_.w_qr;
+    ws.key.head(dh).noalias() = x.row(0) * weights_.w_k_shared;
+    ws.key.segment(dh, hr).noalias() = x.row(0) * weights_.u_k;
+    ws.key.tail(dr).noalias() = x.row(0) * weights_.w_kr;
+    ws.value.head(dh).noalias() = x.row(0) * weights_.w_v_shared;
+    ws.value.tail(hr).noalias() = x.row(0) * weights_.u_v;
+    ws.query.noalias() = x.row(0) * weights_.w_q;
+    ws.query_rope.noalias() = x.row(0) * weights_.w_qr;
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens());
     finish_token(position, ws.key.data(), ws.query.data(), ws.query_latent.data(),
                  ws.query_rope.data(), ws.rms.data(), ws.scratch.data());
     cache.write_token(ws.key.head(dh), ws.key.segment(dh, hr), ws.key.tail(dr), ws.value.head(dh),
                       ws.value.tail(hr), ws.rms);
     attend_decode(cache, ws);
-    out.noalias() = ws.heads * weights_.w_o;
+    out.row(0).noalias() = ws.heads * weights_.w_o;
   }
 
   /// Convenience overload returning the 1 x d output (allocates the result).
   template <class S>
-  RowVector<T> decode(const ConstRowRef<T>& x, LrkvCache<T, S>& cache) const {
+  RowVector<T> decode(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache) const {
     RowVector<T> out(config_.d_model);
     decode(x, cache, out);
     return out;
@@ -707,13 +710,29 @@ class LrkvLayer {
             running_max(row) = new_max;
           }
           acc.topRows(q_rows) = rescale.head(q_rows).asDiagonal() * acc.topRows(q_rows);
-          acc.topRows(q_rows).noalias() +=
-              s * shared_values.middleRows(k0, k_rows).template cast<T>();
-          if (r > 0) {
-            latent_acc.topRows(q_rows) =
-                rescale.head(q_rows).asDiagonal() * latent_acc.topRows(q_rows);
-            latent_acc.topRows(q_rows).noalias() +=
-                s * residual_values.middleRows(k0, k_rows).template cast<T>();
+          latent_acc.topRows(q_rows) =
+              rescale.head(q_rows).asDiagonal() * latent_acc.topRows(q_rows);
+          if (k0 + k_rows <= past + q0 + 1) {  // every key of the tile is visible to every row
+            acc.topRows(q_rows).noalias() +=
+                s * shared_values.middleRows(k0, k_rows).template cast<T>();
+            if (r > 0) {
+              latent_acc.topRows(q_rows).noalias() +=
+                  s * residual_values.middleRows(k0, k_rows).template cast<T>();
+            }
+          } else {
+            // On the diagonal, row `row` reads only its visible values: a masked weight
+            // is 0, but 0 * (a NaN in a later token's value) would still leak into it.
+            for (Index row = 0; row < q_rows; ++row) {
+              const Index visible = std::min(k_rows, past + q0 + row - k0 + 1);
+              if (visible <= 0) continue;
+              acc.row(row).noalias() += s.row(row).head(visible) *
+                                        shared_values.middleRows(k0, visible).template cast<T>();
+              if (r > 0) {
+                latent_acc.row(row).noalias() +=
+                    s.row(row).head(visible) *
+                    residual_values.middleRows(k0, visible).template cast<T>();
+              }
+            }
           }
         }
         // o_h = (a_h V_s + (a_h R_h^V)(B_h^V)^T) / normalizer; each query sees itself.

@@ -128,6 +128,14 @@ class LrkvCache {
   Map residual_values(Index h) const {
     return view(values_, config_.head_dim + h * config_.rank, config_.rank);
   }
+  /// Cached tokens x (H * r): every head's key / value latents, head h in columns
+  /// [h*r, (h+1)*r) (the layout append takes).
+  Map residual_keys() const {
+    return view(keys_, config_.head_dim, config_.n_heads * config_.rank);
+  }
+  Map residual_values() const {
+    return view(values_, config_.head_dim, config_.n_heads * config_.rank);
+  }
   /// Cached tokens x d_R: the stored decoupled rotary keys (decoupled mode).
   Map rope_keys() const {
     return view(keys_, config_.head_dim + config_.n_heads * config_.rank, config_.decoupled_dim());
