@@ -201,3 +201,17 @@ TEST_CASE("an empty prefill is a no-op and a fully masked query gives zeros",
   CHECK(out.cols() == 3);
   CHECK(out.isZero(0.0));
 }
+
+TEST_CASE("a later token's NaN never reaches an earlier output", "[reliability][gqa]") {
+  const auto layer = GqaLayer<double>::random(small_config(), 5);
+  RowMatrix<double> x = kvattn::test::random_input<double>(70, 12, 6);
+  x(69, 3) = std::numeric_limits<double>::quiet_NaN();
+  x(40, 0) = std::numeric_limits<double>::infinity();
+  auto cache = layer.make_cache();
+  const RowMatrix<double> y = layer.prefill(x, cache);
+  CHECK(y.topRows(40).allFinite());
+  const RowMatrix<double> expected = reference::forward(layer, x.topRows(40));
+  CHECK(kvattn::test::relative_error(y.topRows(40), expected) <= 1e-12);
+  CHECK(reference::forward(layer, x).topRows(40).allFinite());
+  CHECK(y.row(69).hasNaN());  // and NaN stays visible where it belongs
+}

@@ -309,7 +309,17 @@ class GqaLayer {
             running_max(r) = new_max;
           }
           acc.topRows(q_rows) = rescale.head(q_rows).asDiagonal() * acc.topRows(q_rows);
-          acc.topRows(q_rows).noalias() += s * v_tile;
+          if (k0 + k_rows <= past + q0 + 1) {  // every key of the tile visible to every row
+            acc.topRows(q_rows).noalias() += s * v_tile;
+          } else {
+            // On the diagonal, row r reads only its visible values: a masked weight is 0,
+            // but 0 * (a later token's NaN or inf) would still reach an earlier row.
+            for (Index r = 0; r < q_rows; ++r) {
+              const Index visible = std::min(k_rows, past + q0 + r - k0 + 1);
+              if (visible <= 0) continue;
+              acc.row(r).noalias() += s.row(r).head(visible) * v_tile.topRows(visible);
+            }
+          }
         }
         // Every query sees at least itself, so the normalizer is >= 1.
         heads.block(q0, h * dh, q_rows, dh) =

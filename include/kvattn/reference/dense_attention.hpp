@@ -29,7 +29,15 @@ RowMatrix<T> attention(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
     }
   }
   softmax_rows_inplace(scores);
-  return scores * v;
+  // Sum over visible keys only: a masked weight is 0, and 0 * (an invisible token's
+  // NaN or inf) must not reach the output.
+  RowMatrix<T> out = RowMatrix<T>::Zero(q.rows(), v.cols());
+  for (Index i = 0; i < scores.rows(); ++i) {
+    for (Index j = 0; j < scores.cols(); ++j) {
+      if (mask.visible(query_offset + i, j)) out.row(i) += scores(i, j) * v.row(j);
+    }
+  }
+  return out;
 }
 
 }  // namespace kvattn::reference
