@@ -16,6 +16,8 @@
 
 #include "kvattn/kvattn.hpp"
 #include "kvattn/reference/gqa.hpp"
+#include "kvattn/reference/lrkv.hpp"
+#include "kvattn/reference/mla.hpp"
 
 namespace {
 
@@ -114,6 +116,29 @@ int main(int argc, char** argv) {
   rows.push_back(run_mechanism("MQA (1 KV head)",
                                Gqa::random(kvattn::mqa_config(4096, 32, 128, rope), 3), prompt,
                                steps, 13));
+  // MLA: DeepSeek-V2-Lite's attention (d_model 2048, 16 heads, d_c 512, no query
+  // compression, d_nope 128, d_R 64, d_v 128, interleaved RoPE with YaRN) and
+  // DeepSeek-V2's (d_model 5120, 128 heads, d_c' 1536). Decode is absorbed; the
+  // reference reconstructs every head's K and V. V2's weights are 149 M parameters,
+  // which every decoded token reads, so that row takes a while.
+  using Mla = kvattn::MlaLayer<float>;
+  rows.push_back(run_mechanism("MLA (V2-Lite, 16 h)",
+                               Mla::random(kvattn::deepseek_v2_lite_config(), 4), prompt, steps,
+                               14));
+  rows.push_back(run_mechanism("MLA (V2, 128 h)", Mla::random(kvattn::deepseek_v2_config(), 5),
+                               prompt, steps, 15));
+  // LRKV at the paper's 6.3B attention shape (d_model 4096, 32 heads, d_h 128, r 54):
+  // shared K_s, V_s plus per-head rank-54 latents, 2 * (128 + 32 * 54) = 3,712 elements
+  // per token, 1/H + r/d_h = 45.3 % of MHA. Decode is associative (seed 000, Eqs. 6-7);
+  // the reference materializes every head's K_h, V_h. Rows: RoPE on the shared channel;
+  // full RoPE made exact by a commuting B_h^K, with the exact factored key norm (+ H
+  // fp32 key RMS per token).
+  using Lrkv = kvattn::LrkvLayer<float>;
+  kvattn::LrkvConfig lrkv{4096, 32, 128, 54, kvattn::LrkvRopeMode::shared, rope};
+  rows.push_back(run_mechanism("LRKV r=54 shared RoPE", Lrkv::random(lrkv, 6), prompt, steps, 16));
+  lrkv.rope_mode = kvattn::LrkvRopeMode::commuting;
+  lrkv.key_norm = true;
+  rows.push_back(run_mechanism("LRKV r=54 commut.+norm", Lrkv::random(lrkv, 7), prompt, steps, 17));
   // Later mechanisms add their rows here.
 
   print_table(rows, prompt + steps);
