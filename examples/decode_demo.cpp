@@ -122,9 +122,8 @@ int main(int argc, char** argv) {
   // reference reconstructs every head's K and V. V2's weights are 149 M parameters,
   // which every decoded token reads, so that row takes a while.
   using Mla = kvattn::MlaLayer<float>;
-  rows.push_back(run_mechanism("MLA (V2-Lite, 16 h)",
-                               Mla::random(kvattn::deepseek_v2_lite_config(), 4), prompt, steps,
-                               14));
+  rows.push_back(run_mechanism(
+      "MLA (V2-Lite, 16 h)", Mla::random(kvattn::deepseek_v2_lite_config(), 4), prompt, steps, 14));
   rows.push_back(run_mechanism("MLA (V2, 128 h)", Mla::random(kvattn::deepseek_v2_config(), 5),
                                prompt, steps, 15));
   // LRKV at the paper's 6.3B attention shape (d_model 4096, 32 heads, d_h 128, r 54):
