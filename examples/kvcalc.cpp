@@ -474,16 +474,24 @@ Index default_kv_heads(Index heads) {
   return 1;
 }
 
+/// "1, 2, 3, 4, 6, 12": the divisors of n (the first and last few when there are many).
 std::string divisors_text(Index n) {
-  std::string out;
-  int shown = 0;
-  for (Index d = 1; d <= n && shown < 12; ++d) {
-    if (n % d == 0) {
-      out += (out.empty() ? "" : ", ") + std::to_string(d);
-      ++shown;
-    }
+  std::vector<Index> small, large;
+  for (Index d = 1; d <= n / d; ++d) {
+    if (n % d != 0) continue;
+    small.push_back(d);
+    if (d != n / d) large.push_back(n / d);
   }
-  return out + (shown == 12 ? ", ..." : "");
+  small.insert(small.end(), large.rbegin(), large.rend());
+  std::string out;
+  for (std::size_t i = 0; i < small.size(); ++i) {
+    if (small.size() > 12 && i == 6) {
+      out += ", ...";
+      i = small.size() - 6;
+    }
+    out += (out.empty() ? "" : ", ") + std::to_string(small[i]);
+  }
+  return out;
 }
 
 Resolved resolve(const Options& o) {

@@ -3,6 +3,7 @@
 // backwards"). Pure constexpr functions of the configs.
 #pragma once
 
+#include <algorithm>
 #include <optional>
 
 #include "kvattn/analysis/cache_size.hpp"
@@ -94,16 +95,32 @@ constexpr std::optional<Index> max_lrkv_rank(LrkvConfig base, Index layers, cons
 }
 
 /// The largest divisor n_kv of H such that GQA with the other fields of `base` fits
-/// the budget. std::nullopt when not even MQA (n_kv = 1) fits.
+/// the budget. std::nullopt when not even MQA (n_kv = 1) fits. O(log H + sqrt(H)).
 constexpr std::optional<Index> max_kv_heads(GqaConfig base, Index layers, const Budget& budget,
                                             const CacheStorage& storage = {}) {
   check(budget);
-  for (Index n_kv = base.n_heads; n_kv >= 1; --n_kv) {
-    if (base.n_heads % n_kv != 0) continue;
-    base.n_kv_heads = n_kv;
-    if (fits(cache_layout(base), layers, budget, storage)) return n_kv;
+  base.n_kv_heads = base.n_heads;
+  check(base);
+  // The cost grows with n_kv, so first find the largest count n <= H that fits (any n,
+  // divisor or not: 2n rows of d_h), then the largest divisor of H not above it.
+  auto fits_at = [&](Index n) {
+    const CacheLayout layout{{detail::mul(2, n, "2 * n_kv_heads"), base.head_dim}, {}, 0, 0};
+    return fits(layout, layers, budget, storage);
+  };
+  if (!fits_at(1)) return std::nullopt;
+  Index lo = 1;                 // fits
+  Index hi = base.n_heads + 1;  // beyond the valid range
+  while (hi - lo > 1) {
+    const Index mid = lo + (hi - lo) / 2;
+    (fits_at(mid) ? lo : hi) = mid;
   }
-  return std::nullopt;
+  Index best = 1;
+  for (Index d = 1; d <= base.n_heads / d; ++d) {
+    if (base.n_heads % d != 0) continue;
+    if (d <= lo) best = std::max(best, d);
+    if (base.n_heads / d <= lo) best = std::max(best, base.n_heads / d);
+  }
+  return best;
 }
 
 }  // namespace kvattn::analysis
