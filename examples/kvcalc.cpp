@@ -293,6 +293,9 @@ std::optional<Index> hf_count(const json& j, const std::string& where, const cha
     return std::nullopt;
   }
   const json& v = j.at(key);
+  if (v.is_number_float() && std::fabs(v.get<double>()) >= static_cast<double>(kMaxCount)) {
+    fail(where + ": \"" + key + "\" " + v.dump() + " is too large to represent");
+  }
   if (!v.is_number_integer()) {
     fail(where + ": \"" + key + "\" must be an integer, got " + json_type(v) + " (e.g. \"" + key +
          "\": 32)");
@@ -354,13 +357,14 @@ Shape shape_from_hf(const std::string& path) {
   const json& j = *model;
 
   Shape s;
-  s.source = path;
-  for (const char* key : {"_name_or_path", "model_type"}) {
-    if (root.contains(key) && root.at(key).is_string() &&
-        !root.at(key).get<std::string>().empty()) {
-      s.source = root.at(key).get<std::string>();
-      break;
-    }
+  // Name: _name_or_path when the file has one, else its model_type and file name.
+  const std::string file = std::filesystem::path(path).filename().string();
+  s.source = file;
+  if (root.contains("_name_or_path") && root.at("_name_or_path").is_string() &&
+      !root.at("_name_or_path").get<std::string>().empty()) {
+    s.source = root.at("_name_or_path").get<std::string>();
+  } else if (root.contains("model_type") && root.at("model_type").is_string()) {
+    s.source = root.at("model_type").get<std::string>() + " (" + file + ")";
   }
   s.heads = hf_count(j, where, "num_attention_heads", true);
   s.layers = hf_count(j, where, "num_hidden_layers", true);
@@ -383,8 +387,8 @@ Shape shape_from_hf(const std::string& path) {
       fail(where + ": num_key_value_heads (" + std::to_string(kv) +
            ") must divide num_attention_heads (" + std::to_string(heads) + ")");
     }
-    s.kv_heads = kv;
     s.own = kv == heads ? "MHA" : kv == 1 ? "MQA" : "GQA";
+    if (s.own == "GQA") s.kv_heads = kv;  // MHA / MQA models compare with the default GQA
     if (const auto hd = hf_count(j, where, "head_dim", false)) {
       s.head_dim = *hd;
     } else {
@@ -1090,6 +1094,7 @@ Options parse_args(int argc, char** argv, bool& exit_now) {
       std::stringstream list(v);
       std::string item;
       while (std::getline(list, item, ',')) {
+        if (item.empty()) continue;
         std::string upper;
         for (const char ch : item)
           upper += static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));

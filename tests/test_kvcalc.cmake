@@ -1,0 +1,14 @@
+# kvcalc's command-line tests (tests/test_kvcalc.cpp): a Catch2 test that runs the
+# built examples/kvcalc as a subprocess on the fixtures in tests/test_kvcalc_data/.
+# kvcalc is an example, so these exist only when examples are built (not in the
+# sanitizer preset, which builds no examples).
+if(KVATTN_BUILD_EXAMPLES)
+  find_package(nlohmann_json 3 REQUIRED)
+  kvattn_add_test(test_kvcalc)
+  target_link_libraries(test_kvcalc PRIVATE nlohmann_json::nlohmann_json)
+  target_compile_definitions(test_kvcalc PRIVATE
+    KVCALC_PATH="$<TARGET_FILE:kvcalc>"
+    KVCALC_DATA="${CMAKE_CURRENT_SOURCE_DIR}/test_kvcalc_data")
+  add_dependencies(test_kvcalc kvcalc)
+  set_tests_properties(test_kvcalc PROPERTIES LABELS "unit;kvcalc")
+endif()

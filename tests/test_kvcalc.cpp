@@ -1,0 +1,535 @@
+// kvcalc's command line, run as a subprocess: presets reproduce the seeds' numbers,
+// --json parses, --svg is well-formed XML, Hugging Face configs are read as the models
+// really cache, and every bad input exits non-zero with one line naming the problem.
+//
+// Expected numbers are the seeds' (seed 002 Chapters 1-4, seed 000) or derived by hand
+// next to each check. KVCALC_PATH and KVCALC_DATA come from tests/test_kvcalc.cmake.
+#include <catch2/catch.hpp>
+
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+using json = nlohmann::json;
+
+struct Result {
+  int status = -1;
+  std::string out, err;
+};
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::string quote(const std::string& arg) {
+  std::string q = "'";
+  for (const char ch : arg) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return q + "'";
+}
+
+std::filesystem::path scratch_dir() {
+  static const std::filesystem::path dir = [] {
+    auto d = std::filesystem::temp_directory_path() /
+             ("kvcalc_test_" + std::to_string(static_cast<long>(::getpid())));
+    std::filesystem::create_directories(d);
+    return d;
+  }();
+  return dir;
+}
+
+/// Runs kvcalc with `args`; captures stdout, stderr and the exit status.
+Result kvcalc(const std::vector<std::string>& args) {
+  const auto dir = scratch_dir();
+  std::string command = quote(KVCALC_PATH);
+  for (const auto& a : args) {
+    command += ' ';
+    command += quote(a);
+  }
+  // Appended piece by piece: GCC 12 reports a false -Wrestrict on "literal" + std::string
+  // (GCC bug 105329).
+  command += " >";
+  command += quote((dir / "out").string());
+  command += " 2>";
+  command += quote((dir / "err").string());
+  const int raw = std::system(command.c_str());
+  Result r;
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  r.out = read_file(dir / "out");
+  r.err = read_file(dir / "err");
+  return r;
+}
+
+std::string data(const std::string& name) { return std::string(KVCALC_DATA) + "/" + name; }
+
+json run_json(std::vector<std::string> args) {
+  args.push_back("--json");
+  const Result r = kvcalc(args);
+  INFO(r.err);
+  REQUIRE(r.status == 0);
+  REQUIRE(r.err.empty());
+  return json::parse(r.out);  // throws (and fails the test) if it is not JSON
+}
+
+const json& row(const json& j, const std::string& name) {
+  for (const json& m : j.at("mechanisms")) {
+    if (m.at("name") == name) return m;
+  }
+  FAIL("no row " << name);
+  static const json none;
+  return none;
+}
+
+/// A bad input: non-zero exit, nothing on stdout, exactly one line on stderr that
+/// starts "kvcalc: error:" and contains `expected`.
+void check_bad(const std::vector<std::string>& args, const std::string& expected) {
+  const Result r = kvcalc(args);
+  std::string shown;
+  for (const auto& a : args) shown += a + " ";
+  INFO("kvcalc " << shown << "\nstderr: " << r.err);
+  CHECK(r.status != 0);
+  CHECK(r.out.empty());
+  CHECK(r.err.rfind("kvcalc: error: ", 0) == 0);
+  CHECK(r.err.find('\n') == r.err.size() - 1);  // one line
+  CHECK(r.err.find(expected) != std::string::npos);
+}
+
+// ---- A small, strict XML well-formedness checker ----------------------------------
+// Enough of XML 1.0 for an SVG: an optional declaration, comments, one root element,
+// elements with quoted attributes (no duplicates), text with the five predefined
+// entities and character references, matching end tags.
+class XmlChecker {
+ public:
+  explicit XmlChecker(std::string text) : s_(std::move(text)) {}
+
+  /// Empty when well-formed, else what is wrong and where; root() names the root.
+  std::string check() {
+    try {
+      if (s_.compare(0, 5, "<?xml") == 0) {
+        const auto end = s_.find("?>");
+        if (end == std::string::npos) return "unterminated XML declaration";
+        pos_ = end + 2;
+      }
+      misc();
+      if (pos_ >= s_.size() || s_[pos_] != '<') return "no root element";
+      root_ = element();
+      misc();
+      if (pos_ != s_.size()) return "content after the root element at " + std::to_string(pos_);
+      return "";
+    } catch (const std::string& error) {
+      return error;
+    }
+  }
+  const std::string& root() const { return root_; }
+
+ private:
+  [[noreturn]] void error(const std::string& what) const {
+    throw what + " at offset " + std::to_string(pos_);
+  }
+  static bool name_char(char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.' ||
+           c == ':' || static_cast<unsigned char>(c) >= 0x80;
+  }
+  void spaces() {
+    while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+  }
+  void misc() {
+    for (;;) {
+      spaces();
+      if (s_.compare(pos_, 4, "<!--") == 0) {
+        comment();
+      } else {
+        return;
+      }
+    }
+  }
+  void comment() {
+    const auto end = s_.find("-->", pos_ + 4);
+    if (end == std::string::npos) error("unterminated comment");
+    pos_ = end + 3;
+  }
+  std::string name() {
+    const auto start = pos_;
+    if (pos_ >= s_.size() || !(std::isalpha(static_cast<unsigned char>(s_[pos_])) ||
+                               s_[pos_] == '_' || s_[pos_] == ':')) {
+      error("expected a name");
+    }
+    while (pos_ < s_.size() && name_char(s_[pos_])) ++pos_;
+    return s_.substr(start, pos_ - start);
+  }
+  void reference() {  // at '&'
+    const auto end = s_.find(';', pos_);
+    if (end == std::string::npos) error("unterminated entity reference");
+    const std::string ref = s_.substr(pos_ + 1, end - pos_ - 1);
+    const bool named = ref == "amp" || ref == "lt" || ref == "gt" || ref == "quot" || ref == "apos";
+    bool numeric = ref.size() > 1 && ref[0] == '#';
+    for (std::size_t i = 1; numeric && i < ref.size(); ++i) {
+      numeric = std::isxdigit(static_cast<unsigned char>(ref[i])) || (i == 1 && ref[i] == 'x');
+    }
+    if (!named && !numeric) error("unknown entity &" + ref + ";");
+    pos_ = end + 1;
+  }
+  std::string element() {  // at '<'
+    ++pos_;
+    const std::string tag = name();
+    std::vector<std::string> attributes;
+    for (;;) {
+      const auto before = pos_;
+      spaces();
+      if (pos_ >= s_.size()) error("unterminated start tag <" + tag);
+      if (s_.compare(pos_, 2, "/>") == 0) {
+        pos_ += 2;
+        return tag;
+      }
+      if (s_[pos_] == '>') {
+        ++pos_;
+        break;
+      }
+      if (pos_ == before) error("attributes must be separated by white space");
+      const std::string attribute = name();
+      for (const auto& a : attributes) {
+        if (a == attribute) error("duplicate attribute " + attribute);
+      }
+      attributes.push_back(attribute);
+      spaces();
+      if (pos_ >= s_.size() || s_[pos_] != '=') error("attribute " + attribute + " has no '='");
+      ++pos_;
+      spaces();
+      if (pos_ >= s_.size() || (s_[pos_] != '"' && s_[pos_] != '\'')) {
+        error("attribute " + attribute + " is not quoted");
+      }
+      const char q = s_[pos_++];
+      while (pos_ < s_.size() && s_[pos_] != q) {
+        if (s_[pos_] == '<') error("'<' in attribute " + attribute);
+        if (s_[pos_] == '&') {
+          reference();
+        } else {
+          ++pos_;
+        }
+      }
+      if (pos_ >= s_.size()) error("unterminated attribute " + attribute);
+      ++pos_;
+    }
+    // Content until the matching end tag.
+    for (;;) {
+      if (pos_ >= s_.size()) error("element <" + tag + "> is not closed");
+      if (s_.compare(pos_, 2, "</") == 0) {
+        pos_ += 2;
+        const std::string end = name();
+        spaces();
+        if (end != tag) error("</" + end + "> closes <" + tag + ">");
+        if (pos_ >= s_.size() || s_[pos_] != '>') error("unterminated end tag");
+        ++pos_;
+        return tag;
+      }
+      if (s_.compare(pos_, 4, "<!--") == 0) {
+        comment();
+      } else if (s_[pos_] == '<') {
+        element();
+      } else if (s_[pos_] == '&') {
+        reference();
+      } else {
+        ++pos_;
+      }
+    }
+  }
+
+  std::string s_;
+  std::size_t pos_ = 0;
+  std::string root_;
+};
+
+}  // namespace
+
+TEST_CASE("the XML checker accepts XML and rejects malformed documents", "[kvcalc]") {
+  CHECK(XmlChecker("<?xml version=\"1.0\"?>\n<a x=\"1\" y='2'><b/>t &amp; &#38;</a>\n").check() ==
+        "");
+  CHECK_FALSE(XmlChecker("<a><b></a></b>").check().empty());        // crossed tags
+  CHECK_FALSE(XmlChecker("<a>x & y</a>").check().empty());          // bare ampersand
+  CHECK_FALSE(XmlChecker("<a x=1></a>").check().empty());           // unquoted attribute
+  CHECK_FALSE(XmlChecker("<a></a><b></b>").check().empty());        // two roots
+  CHECK_FALSE(XmlChecker("<a x=\"1\" x=\"2\"/>").check().empty());  // duplicate attribute
+  CHECK_FALSE(XmlChecker("<a>").check().empty());                   // not closed
+  CHECK_FALSE(XmlChecker("<a x=\"<\"/>").check().empty());          // '<' in an attribute
+}
+
+TEST_CASE("kvcalc presets reproduce the seeds' numbers", "[kvcalc][analysis]") {
+  // Seed 002, Chapter 4: kv_cache_per_token(128, 128, 60, 512, 64) ->
+  // {'MHA': 1966080, 'GQA': 122880, 'MQA': 15360, 'MLA': 34560}.
+  const json j = run_json({"--preset", "deepseek-v2"});
+  CHECK(j.at("mechanisms").size() == 5);
+  CHECK(j.at("mechanisms")[0].at("name") == "MLA");  // the model's own mechanism first
+  CHECK(row(j, "MHA").at("elements_per_token") == 1'966'080);
+  CHECK(row(j, "GQA").at("elements_per_token") == 122'880);
+  CHECK(row(j, "MQA").at("elements_per_token") == 15'360);
+  CHECK(row(j, "MLA").at("elements_per_token") == 34'560);
+  CHECK(row(j, "MLA").at("elements_per_token_per_layer") == 576);
+  // bf16: 3.75 MiB = 3,932,160 bytes and 67.5 KiB = 69,120 bytes per token.
+  CHECK(row(j, "MHA").at("bytes_per_token") == 3'932'160);
+  CHECK(row(j, "MLA").at("bytes_per_token") == 69'120);
+  // 1,966,080 / 34,560 = 56.9x (one decimal); 2.25 groups exactly.
+  CHECK(1.0 / row(j, "MLA").at("ratio_to_mha").get<double>() == Approx(56.9).margin(0.05));
+  CHECK(row(j, "MLA").at("gqa_equivalent_groups") == 2.25);
+  CHECK(row(j, "GQA").at("gqa_equivalent_groups") == 8.0);
+  // Totals at the default 4,096 tokens, batch 1: 69,120 * 4,096 bytes.
+  CHECK(row(j, "MLA").at("total_bytes") == 69'120LL * 4096);
+  // K/V parameters (Chapter 2): MHA 167,772,160; MLA 19,726,336 with W_KR.
+  CHECK(row(j, "MHA").at("kv_projection_params") == 167'772'160);
+  CHECK(row(j, "MLA").at("kv_projection_params") == 19'726'336);
+
+  // The budget solve: 50,000 elements -> d_c <= 769.3, 768 in steps of 32.
+  const json b = run_json({"--preset", "deepseek-v2", "--budget", "50000"});
+  CHECK(b.at("budget").at("mla_kv_rank") == 768);
+  CHECK(b.at("budget").at("mla_kv_rank_bound").get<double>() == Approx(769.3).margin(0.05));
+  CHECK(b.at("budget").at("unit") == "elements");
+
+  // DeepSeek's fp8 MLA cache: 512 + 4 * 4 + 64 * 2 = 656 bytes per token per layer.
+  const json f = run_json(
+      {"--preset", "deepseek-v2", "--dtype", "fp8", "--scale-block", "128", "--mechanism", "MLA"});
+  CHECK(f.at("mechanisms").size() == 1);
+  CHECK(row(f, "MLA").at("bytes_per_token") == 656 * 60);
+
+  // The d_c = 640, d_R = 80, 72-layer worked example: 51,840 elements, 2.81 groups.
+  const json w = run_json({"--preset", "deepseek-v2", "--kv-rank", "640", "--rope-dim", "80",
+                           "--layers", "72", "--mechanism", "MLA"});
+  CHECK(row(w, "MLA").at("elements_per_token") == 51'840);
+  CHECK(row(w, "MLA").at("gqa_equivalent_groups").get<double>() == Approx(2.81).margin(0.005));
+
+  // Seed 000, Table 7 scales: 52.60%, 48.18%, 48.52%, 45.31% (two decimals).
+  const std::vector<std::pair<std::string, double>> scales = {
+      {"lrkv-128m", 52.60}, {"lrkv-1.2b", 48.18}, {"lrkv-2.5b", 48.52}, {"lrkv-6.3b", 45.31}};
+  for (const auto& [preset, percent] : scales) {
+    CAPTURE(preset);
+    const json l = run_json({"--preset", preset});
+    CHECK(l.at("mechanisms")[0].at("name") == "LRKV");
+    CHECK(100.0 * row(l, "LRKV").at("ratio_to_mha").get<double>() == Approx(percent).margin(0.005));
+  }
+  // 2.5B: 4,608 -> 2,236 elements per token per layer.
+  const json l25 = run_json({"--preset", "lrkv-2.5b"});
+  CHECK(row(l25, "MHA").at("elements_per_token_per_layer") == 4'608);
+  CHECK(row(l25, "LRKV").at("elements_per_token_per_layer") == 2'236);
+  // Table 8 (H = 6): r = 8 -> 22.9%, r = 128 -> 116.7%; MLA d_c = 128 (no rope) -> 8.3%.
+  CHECK(100.0 * row(run_json({"--preset", "lrkv-128m", "--lrkv-rank", "8"}), "LRKV")
+                    .at("ratio_to_mha")
+                    .get<double>() ==
+        Approx(22.9).margin(0.05));
+  CHECK(100.0 * row(run_json({"--preset", "lrkv-128m", "--lrkv-rank", "128"}), "LRKV")
+                    .at("ratio_to_mha")
+                    .get<double>() ==
+        Approx(116.7).margin(0.05));
+  CHECK(100.0 * row(run_json({"--preset", "lrkv-128m", "--kv-rank", "128"}), "MLA")
+                    .at("ratio_to_mha")
+                    .get<double>() ==
+        Approx(8.3).margin(0.05));
+  // Table 12's r = 64 at 6.3B: 53.13%.
+  CHECK(100.0 * row(run_json({"--preset", "lrkv-6.3b", "--lrkv-rank", "64"}), "LRKV")
+                    .at("ratio_to_mha")
+                    .get<double>() ==
+        Approx(53.13).margin(0.005));
+}
+
+TEST_CASE("kvcalc's table shows the seed's four numbers and a bar per row", "[kvcalc]") {
+  const Result r = kvcalc({});
+  REQUIRE(r.status == 0);
+  CHECK(r.err.empty());
+  for (const char* number :
+       {"1,966,080", "122,880", "15,360", "34,560", "3.75 MiB", "67.5 KiB", "2.25"}) {
+    CAPTURE(number);
+    CHECK(r.out.find(number) != std::string::npos);
+  }
+  CHECK(r.out.find("MLA   |") != std::string::npos);
+  CHECK(kvcalc({"--list-presets"}).out.find("lrkv-2.5b") != std::string::npos);
+  CHECK(kvcalc({"--help"}).out.find("--hf-config FILE") != std::string::npos);
+}
+
+TEST_CASE("kvcalc --json: one object with the interface fields", "[kvcalc]") {
+  const json j = run_json({"--heads", "32", "--head-dim", "128", "--layers", "32", "--kv-heads",
+                           "8", "--seq-len", "1000", "--batch", "3"});
+  REQUIRE(j.is_object());
+  REQUIRE(j.at("mechanisms").is_array());
+  for (const json& m : j.at("mechanisms")) {
+    for (const char* field :
+         {"name", "elements_per_token_per_layer", "elements_per_token", "bytes_per_token",
+          "total_bytes", "ratio_to_mha", "gqa_equivalent_groups"}) {
+      CAPTURE(field);
+      CHECK(m.contains(field));
+    }
+    const std::string name = m.at("name");
+    CHECK((name == "MHA" || name == "GQA" || name == "MQA" || name == "MLA" || name == "LRKV"));
+  }
+  // GQA-8 at d_h 128, 32 layers, bf16: 2 * 8 * 128 = 2,048 per layer; 65,536 per token;
+  // 131,072 bytes per token; total 131,072 * 1,000 * 3.
+  const json& g = row(j, "GQA");
+  CHECK(g.at("elements_per_token_per_layer") == 2048);
+  CHECK(g.at("elements_per_token") == 65'536);
+  CHECK(g.at("bytes_per_token") == 131'072);
+  CHECK(g.at("total_bytes") == 131'072LL * 1000 * 3);
+  CHECK(g.at("ratio_to_mha") == 0.25);
+  // --mechanism restricts and keeps the given set.
+  const json only = run_json({"--mechanism", "mqa,LRKV"});
+  CHECK(only.at("mechanisms").size() == 2);
+}
+
+TEST_CASE("kvcalc --tp: per device and summed over devices", "[kvcalc]") {
+  // DeepSeek-V2 shape, bf16, 60 layers. GQA-8 at tp 8: one KV head per device,
+  // 2 * 128 * 60 * 2 = 30,720 bytes per token per device; the devices sum to the model.
+  const json t8 = run_json({"--preset", "deepseek-v2", "--tp", "8"});
+  CHECK(row(t8, "GQA").at("per_device").at("bytes_per_token") == 30'720);
+  CHECK(row(t8, "GQA").at("bytes_per_token") == 245'760);
+  // MLA's latent is replicated: 69,120 per device, 8 * 69,120 in all.
+  CHECK(row(t8, "MLA").at("per_device").at("bytes_per_token") == 69'120);
+  CHECK(row(t8, "MLA").at("bytes_per_token") == 8 * 69'120);
+  // tp 16 > n_kv 8: each KV head on 2 devices: 16 * 30,720 in all.
+  const json t16 = run_json({"--preset", "deepseek-v2", "--tp", "16"});
+  CHECK(row(t16, "GQA").at("per_device").at("bytes_per_token") == 30'720);
+  CHECK(row(t16, "GQA").at("bytes_per_token") == 16 * 30'720);
+  // MQA: the single head on every device.
+  CHECK(row(t16, "MQA").at("bytes_per_token") == 16 * 30'720);
+  // LRKV r 64 at tp 8: shared 2 * 128 replicated, residuals 2 * 16 * 64 per device:
+  // (256 + 2,048) * 60 * 2 bytes per device.
+  CHECK(row(t8, "LRKV").at("per_device").at("bytes_per_token") == (256 + 2048) * 60 * 2);
+}
+
+TEST_CASE("kvcalc --hf-config reads what the model really caches", "[kvcalc]") {
+  // Llama 3 8B: 32 layers, 32 heads, 8 KV heads, d_h 4096 / 32 = 128, bf16.
+  const json llama = run_json({"--hf-config", data("llama3_8b.json")});
+  CHECK(llama.at("mechanisms")[0].at("name") == "GQA");
+  CHECK(llama.at("own_mechanism") == "GQA");
+  CHECK(row(llama, "GQA").at("elements_per_token") == 2 * 8 * 128 * 32);
+  CHECK(row(llama, "GQA").at("bytes_per_token") == 2 * 8 * 128 * 32 * 2);
+  // Mistral 7B: every layer keeps a window of 4,096 tokens; at 8,192 tokens the total is
+  // 2 * 8 * 128 * 2 bytes * 32 layers * 4,096 tokens.
+  const json mistral = run_json({"--hf-config", data("mistral_7b.json"), "--seq-len", "8192"});
+  CHECK(row(mistral, "GQA").at("total_bytes") == 4096LL * 32 * 4096);
+  CHECK(mistral.at("window_layers") == 32);
+  // Qwen2 7B: use_sliding_window false, so all 8,192 tokens stay: 2 * 4 * 128 * 2 * 28.
+  const json qwen = run_json({"--hf-config", data("qwen2_7b.json"), "--seq-len", "8192"});
+  CHECK(row(qwen, "GQA").at("total_bytes") == 2048LL * 28 * 8192);
+  CHECK(qwen.at("window_layers") == 0);
+  // Gemma 2 9B: head_dim 256 (not 3584 / 16 = 224), fp32 from torch_dtype, 21 of 42
+  // layers local with a window of 4,096: 2 * 8 * 256 * 4 bytes * (21 * 8,192 + 21 * 4,096).
+  const json gemma = run_json({"--hf-config", data("gemma2_9b.json"), "--seq-len", "8192"});
+  CHECK(gemma.at("shape").at("head_dim") == 256);
+  CHECK(gemma.at("storage").at("dtype") == "fp32");
+  CHECK(row(gemma, "GQA").at("total_bytes") == 16'384LL * (21 * 8192 + 21 * 4096));
+  // --dtype overrides the config's dtype.
+  const json gemma16 = run_json({"--hf-config", data("gemma2_9b.json"), "--dtype", "bf16"});
+  CHECK(row(gemma16, "GQA").at("bytes_per_token") == 2 * 8 * 256 * 2 * 42);
+  // DeepSeek-V2: MLA by kv_lora_rank, although num_key_value_heads = 128.
+  const json ds = run_json({"--hf-config", data("deepseek_v2.json")});
+  CHECK(ds.at("mechanisms")[0].at("name") == "MLA");
+  CHECK(row(ds, "MLA").at("elements_per_token") == 34'560);
+  CHECK(row(ds, "MHA").at("elements_per_token") == 1'966'080);
+  // DeepSeek-V2-Lite: q_lora_rank null; 27 layers: 576 * 27 = 15,552.
+  const json lite = run_json({"--hf-config", data("deepseek_v2_lite.json")});
+  CHECK(row(lite, "MLA").at("elements_per_token") == 15'552);
+  CHECK(lite.at("shape").at("q_rank") == 0);
+  // No num_key_value_heads: MHA (16 heads x 128, fp16 from torch_dtype).
+  const json mha = run_json({"--hf-config", data("mha_no_kv_heads.json")});
+  CHECK(mha.at("mechanisms")[0].at("name") == "MHA");
+  CHECK(row(mha, "MHA").at("bytes_per_token") == 2 * 16 * 128 * 2 * 24);
+  // layer_types: 3 of 4 layers slide over 512 tokens; MQA with head_dim 64, bf16
+  // ("dtype" key): 2 * 64 * 2 bytes * (1 * 2,000 + 3 * 512) at 2,000 tokens.
+  const json lt = run_json({"--hf-config", data("layer_types.json"), "--seq-len", "2000"});
+  CHECK(lt.at("mechanisms")[0].at("name") == "MQA");
+  CHECK(row(lt, "MQA").at("total_bytes") == 256LL * (2000 + 3 * 512));
+}
+
+TEST_CASE("kvcalc --svg writes a well-formed SVG with a log axis and labels", "[kvcalc]") {
+  const auto path = scratch_dir() / "deepseek.svg";
+  const Result r = kvcalc({"--preset", "deepseek-v2", "--svg", path.string()});
+  REQUIRE(r.status == 0);
+  const std::string svg = read_file(path);
+  XmlChecker checker(svg);
+  CHECK(checker.check() == "");
+  CHECK(checker.root() == "svg");
+  CHECK(svg.find("34,560 elements, 67.5 KiB") != std::string::npos);
+  CHECK(svg.find("1,966,080 elements, 3.75 MiB") != std::string::npos);
+  CHECK(svg.find("log scale") != std::string::npos);
+  // A name with XML's special characters is escaped.
+  const auto odd = scratch_dir() / "odd & <name>.json";
+  std::filesystem::copy_file(data("mha_no_kv_heads.json"), odd,
+                             std::filesystem::copy_options::overwrite_existing);
+  const auto odd_svg = scratch_dir() / "odd.svg";
+  REQUIRE(kvcalc({"--hf-config", odd.string(), "--svg", odd_svg.string(), "--json"}).status == 0);
+  CHECK(XmlChecker(read_file(odd_svg)).check() == "");
+}
+
+TEST_CASE("kvcalc: every bad input exits non-zero with one line", "[kvcalc][reliability]") {
+  check_bad({"--bogus"}, "unknown option '--bogus'");
+  check_bad({"extra"}, "unexpected argument 'extra'");
+  check_bad({"--heads", "-5"}, "--heads must not be negative, got '-5'");
+  check_bad({"--heads", "0"}, "--heads must be >= 1, got 0");
+  check_bad({"--layers", "abc"}, "--layers must be a whole number, got 'abc'");
+  check_bad({"--seq-len", "1.5"}, "--seq-len must be a whole number");
+  check_bad({"--batch", "99999999999999999999999"}, "is too large to represent");
+  check_bad({"--heads"}, "--heads needs a value");
+  check_bad({"--heads="}, "--heads needs a value");
+  check_bad({"--json=yes"}, "--json takes no value");
+  check_bad({"--heads", "8", "--heads", "16"}, "--heads is given twice");
+  check_bad({"--dtype", "bf17"}, "--dtype 'bf17' is not a known type");
+  check_bad({"--preset", "gpt5"}, "--preset 'gpt5' is unknown");
+  check_bad({"--preset", "deepseek-v2", "--hf-config", data("llama3_8b.json")}, "give one of them");
+  check_bad({"--mechanism", "MLA,XYZ"}, "--mechanism 'XYZ' is unknown");
+  check_bad({"--mechanism", ","}, "--mechanism needs at least one");
+  check_bad({"--budget", "12XB"}, "--budget unit 'XB' is not one of B, KiB, MiB, GiB");
+  check_bad({"--budget", "-5"}, "--budget must not be negative");
+  check_bad({"--budget", "KiB"}, "--budget must be a number");
+  check_bad({"--budget", "0"}, "--budget must be at least 1");
+  check_bad({"--budget", "1.5"}, "--budget in elements must be a whole number");
+  // Impossible configurations.
+  check_bad({"--heads", "12", "--kv-heads", "5"},
+            "--kv-heads 5 must divide --heads 12 (one of 1, 2, 3, 4, 6, 12)");
+  check_bad({"--lrkv-rank", "200"}, "--lrkv-rank 200 must be <= --head-dim 128");
+  check_bad({"--tp", "3"}, "--tp 3 must divide --heads 128");
+  check_bad({"--heads", "24", "--kv-heads", "6", "--tp", "4"},
+            "GQA cannot run at --tp 4: tensor parallelism: tp (4) must divide n_kv_heads");
+  check_bad({"--layers", "5", "--window-layers", "10"}, "--window-layers 10 must be <= --layers 5");
+  check_bad({"--window-layers", "10"}, "needs --window W");
+  check_bad({"--seq-len", "9007199254740992", "--batch", "9007199254740992"},
+            "too large to represent");
+  check_bad({"--svg", (scratch_dir() / "missing" / "x.svg").string()}, "cannot be written");
+  // Config files: missing, unreadable, empty, truncated, not an object, wrongly typed.
+  check_bad({"--hf-config", data("no_such_file.json")}, "no such file");
+  check_bad({"--hf-config", std::string(KVCALC_DATA)}, "is a directory");
+  check_bad({"--hf-config", data("empty.json")}, "is empty");
+  check_bad({"--hf-config", data("truncated.json")}, "is not valid JSON");
+  check_bad({"--hf-config", data("array.json")}, "must hold a JSON object {...}, got an array");
+  check_bad({"--hf-config", data("heads_string.json")},
+            "\"num_attention_heads\" must be an integer, got the string \"32\"");
+  check_bad({"--hf-config", data("heads_float.json")},
+            "\"num_attention_heads\" must be an integer, got the number 32.5");
+  check_bad({"--hf-config", data("layers_negative.json")},
+            "\"num_hidden_layers\" must be >= 1, got -1");
+  check_bad({"--hf-config", data("heads_missing.json")}, "has no \"num_attention_heads\"");
+  check_bad({"--hf-config", data("dtype_unknown.json")},
+            "\"torch_dtype\" \"float13\" is not a type");
+  check_bad({"--hf-config", data("kv_not_dividing.json")},
+            "num_key_value_heads (5) must divide num_attention_heads (32)");
+  check_bad({"--hf-config", data("kv_bool.json")},
+            "\"num_key_value_heads\" must be an integer, got a boolean");
+  check_bad({"--hf-config", data("kv_huge.json")}, "is too large to represent");
+  check_bad({"--hf-config", data("mla_no_rope.json")}, "has no \"qk_rope_head_dim\"");
+  // A file without read permission (root reads everything, so only as another user).
+  const auto locked = scratch_dir() / "locked.json";
+  std::filesystem::copy_file(data("llama3_8b.json"), locked,
+                             std::filesystem::copy_options::overwrite_existing);
+  ::chmod(locked.c_str(), 0);
+  if (::geteuid() != 0) {
+    check_bad({"--hf-config", locked.string()}, "cannot be opened");
+  } else {
+    WARN("running as root: the unreadable-file case is covered by the directory case only");
+  }
+}
