@@ -723,8 +723,8 @@ std::string power_label(int exponent) {
 void print_table(std::ostream& out, const Options& o, const Resolved& r,
                  const std::vector<Row>& rows, const std::optional<BudgetResult>& budget) {
   out << "KV cache of " << title_text(o, r) << "\n";
-  std::string workload = "per sequence of " + with_commas(r.work.seq_len) + " tokens, batch " +
-                         with_commas(r.work.batch);
+  std::string workload =
+      "for batch " + with_commas(r.work.batch) + " x " + with_commas(r.work.seq_len) + " tokens";
   if (r.stack.window_layers > 0) {
     workload += "; " + with_commas(r.stack.window_layers) + " of " + with_commas(r.layers) +
                 " layers keep a window of " + with_commas(r.stack.window) + " tokens";
