@@ -25,4 +25,7 @@
 #include "kvattn/core/softmax.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/core/yarn.hpp"
+#include "kvattn/pooling/latent_pooling.hpp"
+#include "kvattn/pooling/simple_pooling.hpp"
+#include "kvattn/pooling/token_mask.hpp"
 #include "kvattn/version.hpp"
