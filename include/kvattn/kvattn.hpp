@@ -5,6 +5,7 @@
 #include "kvattn/analysis/budget.hpp"
 #include "kvattn/analysis/cache_size.hpp"
 #include "kvattn/analysis/dtype.hpp"
+#include "kvattn/analysis/head_diversity.hpp"
 #include "kvattn/analysis/params.hpp"
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/gqa_config.hpp"
