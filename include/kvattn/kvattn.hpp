@@ -7,6 +7,7 @@
 #include "kvattn/analysis/dtype.hpp"
 #include "kvattn/analysis/head_diversity.hpp"
 #include "kvattn/analysis/params.hpp"
+#include "kvattn/attention/encode.hpp"
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/gqa_config.hpp"
 #include "kvattn/attention/lrkv.hpp"
