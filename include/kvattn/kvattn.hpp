@@ -28,6 +28,7 @@
 #include "kvattn/core/types.hpp"
 #include "kvattn/core/yarn.hpp"
 #include "kvattn/pooling/latent_pooling.hpp"
+#include "kvattn/pooling/nv_embed_pooling.hpp"
 #include "kvattn/pooling/simple_pooling.hpp"
 #include "kvattn/pooling/token_mask.hpp"
 #include "kvattn/version.hpp"
