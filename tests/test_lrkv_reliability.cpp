@@ -187,3 +187,26 @@ TEST_CASE("Large LRKV logits stay finite and exact", "[reliability][lrkv]") {
     CHECK(test::relative_error(got, reference::forward(layer, x)) <= 1e-10);
   }
 }
+
+TEST_CASE("An empty LRKV prefill returns 0 x d and leaves the cache unchanged",
+          "[reliability][lrkv]") {
+  for (const LrkvRopeMode mode : {LrkvRopeMode::none, LrkvRopeMode::shared, LrkvRopeMode::decoupled,
+                                  LrkvRopeMode::commuting}) {
+    LrkvConfig c{6, 2, 4, 2, mode};
+    if (mode != LrkvRopeMode::none) c.rope.layout = RopeLayout::half_split;
+    if (mode == LrkvRopeMode::decoupled) c.rope_dim = 2;
+    c.key_norm = true;
+    const auto layer = LrkvLayer<double>::random(c, 1);
+    auto cache = layer.make_cache();
+    const RowMatrix<double> y = layer.prefill(RowMatrix<double>(0, 6), cache);
+    CAPTURE(to_string(mode));
+    CHECK(y.rows() == 0);
+    CHECK(y.cols() == 6);
+    CHECK(cache.tokens() == 0);
+    CHECK(reference::forward(layer, RowMatrix<double>(0, 6)).rows() == 0);
+    // Decoding into an empty cache attends to the new token alone (= a 1-token prefill).
+    const RowMatrix<double> x = test::random_input<double>(1, 6, 2);
+    const RowVector<double> out = layer.decode(x, cache);
+    CHECK(test::relative_error(out, reference::forward(layer, x)) <= 1e-12);
+  }
+}

@@ -88,8 +88,10 @@ RowMatrix<T> forward(const LrkvLayer<T>& layer, const ConstMatrixRef<std::type_i
         rotate_rows(k_shared, rope_head);
         q_model.resize(L, 2 * dh);
         k_model.resize(L, 2 * dh);
-        q_model << q_rotated, q;
-        k_model << k_shared, k_residual;
+        q_model.leftCols(dh) = q_rotated;
+        q_model.rightCols(dh) = q;
+        k_model.leftCols(dh) = k_shared;
+        k_model.rightCols(dh) = k_residual;
         break;
       }
       case LrkvRopeMode::decoupled: {
@@ -97,8 +99,10 @@ RowMatrix<T> forward(const LrkvLayer<T>& layer, const ConstMatrixRef<std::type_i
         rotate_rows(q_rope, rope_decoupled);
         q_model.resize(L, dh + dr);
         k_model.resize(L, dh + dr);
-        q_model << q, q_rope;
-        k_model << k_shared + k_residual, k_rope;
+        q_model.leftCols(dh) = q;
+        q_model.rightCols(dr) = q_rope;
+        k_model.leftCols(dh) = k_shared + k_residual;
+        k_model.rightCols(dr) = k_rope;
         break;
       }
     }
