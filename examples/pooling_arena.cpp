@@ -3,6 +3,7 @@
 //   2. how much each token of one random document weighs in <EOS>, mean and
 //      latent-dictionary pooling (after a bidirectional encoder layer);
 //   3. the head diversity (seed 000) of randomly initialized MHA, GQA, MQA, MLA, LRKV.
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -29,7 +30,7 @@ void print_grid(const char* title, const Mask& mask, Index n) {
 }
 
 std::string bar(double share, double full_scale) {
-  const int width = static_cast<int>(share / full_scale * 30.0 + 0.5);
+  const int width = static_cast<int>(share / full_scale * 12.0 + 0.5);
   return std::string(static_cast<std::size_t>(width), '#');
 }
 
@@ -60,11 +61,14 @@ int main() {
   const RowVector<double> mean = mean_pool_weights<double>(hidden);
   const RowVector<double> latent = contribution_shares<double>(pooler.token_contributions(hidden));
   std::printf("Per-token weight in the pooled vector (one random document, bidirectional)\n");
-  std::printf("  (latent: share of ||token term|| in the pooled sum; bars: 30 chars = 0.25)\n");
-  std::printf("  tok   <EOS>   mean    latent\n");
+  std::printf(
+      "  (latent: share of ||token term|| in the pooled sum; bars: 12 chars = 0.15,\n"
+      "   the <EOS> bar clipped at 16)\n");
+  std::printf("  tok   <EOS>                  mean                   latent\n");
   for (Index i = 0; i < n; ++i) {
-    std::printf("  t%-2ld  %5.3f  %5.3f   %5.3f  %s\n", static_cast<long>(i), eos(i), mean(i),
-                latent(i), bar(latent(i), 0.25).c_str());
+    std::printf("  t%-2ld  %5.3f %-16s %5.3f %-16s %5.3f %s\n", static_cast<long>(i), eos(i),
+                bar(std::min(eos(i), 0.2), 0.15).c_str(), mean(i), bar(mean(i), 0.15).c_str(),
+                latent(i), bar(latent(i), 0.15).c_str());
   }
   const RowMatrix<double> usage = pooler.dictionary_usage(hidden);
   const RowVector<double> total = usage.colwise().sum() / double(usage.rows());
