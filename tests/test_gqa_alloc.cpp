@@ -1,25 +1,10 @@
-// A decode step allocates nothing once the cache has capacity: global operator new
-// is replaced in this test binary to count allocations.
-#include <catch2/catch.hpp>
+// A GQA-family decode step allocates nothing once the cache has capacity.
+#include "alloc_counter.hpp"  // first: replaces operator new, arms Eigen's malloc guard
 
-#include <atomic>
-#include <cstdlib>
-#include <new>
+#include <catch2/catch.hpp>
 
 #include "kvattn/attention/gqa.hpp"
 #include "test_util.hpp"
-
-namespace {
-std::atomic<long> allocations{0};
-}
-
-void* operator new(std::size_t size) {
-  ++allocations;
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 using namespace kvattn;
 
@@ -32,11 +17,26 @@ TEST_CASE("GQA decode allocates nothing once the cache has capacity", "[cache][g
     layer.prefill(x.topRows(8), cache);
     RowVector<float> out(256);
     layer.decode(x.row(8), cache, out);  // sizes the workspace
-    const long before = allocations.load();
-    for (Index t = 9; t < 64; ++t) layer.decode(x.row(t), cache, out);
-    const long during_decode = allocations.load() - before;  // before CAPTURE allocates
+    const auto count = kvattn::test::count_allocations([&] {
+      for (Index t = 9; t < 64; ++t) layer.decode(x.row(t), cache, out);
+    });
     CAPTURE(n_kv);
-    CHECK(during_decode == 0);
+    CHECK(count.operator_new == 0);
+    CHECK_FALSE(count.eigen_malloc);
     CHECK(out.allFinite());
   }
+}
+
+TEST_CASE("The allocation counters of this binary do fire", "[cache][gqa]") {
+  const auto by_new = kvattn::test::count_allocations([] {
+    // A direct call, kept alive by volatile, so the compiler cannot elide it.
+    void* volatile p = ::operator new(16);
+    ::operator delete(p);
+  });
+  CHECK(by_new.operator_new == 1);
+  const auto by_eigen = kvattn::test::count_allocations([] {
+    Eigen::MatrixXf m(64, 64);
+    m.setZero();
+  });
+  CHECK(by_eigen.eigen_malloc);
 }

@@ -1,42 +1,11 @@
-// An LRKV decode step allocates nothing once the cache has capacity. Two counters in
-// this test binary: a replaced global operator new (std containers), and Eigen's own
-// run-time malloc guard (EIGEN_RUNTIME_NO_MALLOC; Eigen allocates with std::malloc, not
-// new) whose eigen_assert is made to throw here, in every build type.
-#define EIGEN_RUNTIME_NO_MALLOC
-#include <stdexcept>
-#define eigen_assert(x)                                           \
-  do {                                                            \
-    if (!(x)) throw std::logic_error("eigen_assert failed: " #x); \
-  } while (false)
+// An LRKV decode step allocates nothing once the cache has capacity.
+#include "alloc_counter.hpp"  // first: replaces operator new, arms Eigen's malloc guard
 
 #include <catch2/catch.hpp>
-
-#include <atomic>
-#include <cstdlib>
-#include <new>
 
 #include "kvattn/attention/lrkv.hpp"
 #include "test_lrkv_util.hpp"
 #include "test_util.hpp"
-
-namespace {
-std::atomic<long> allocations{0};
-}
-
-void* operator new(std::size_t size) {
-  ++allocations;
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-// Catch2 allocates with new (std::nothrow): replace it too, so that every pointer
-// reaching the replaced delete came from malloc (AddressSanitizer checks the pairing).
-void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  ++allocations;
-  return std::malloc(size == 0 ? 1 : size);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 using namespace kvattn;
 
@@ -54,19 +23,12 @@ TEST_CASE("LRKV decode allocates nothing once the cache has capacity", "[cache][
       layer.prefill(x.topRows(8), cache);
       RowVector<float> out(256);
       layer.decode(x.row(8), cache, out);  // sizes the workspace
-      const long before = allocations.load();
-      bool eigen_allocated = false;
-      Eigen::internal::set_is_malloc_allowed(false);
-      try {
+      const auto count = test::count_allocations([&] {
         for (Index t = 9; t < 64; ++t) layer.decode(x.row(t), cache, out);
-      } catch (const std::logic_error&) {
-        eigen_allocated = true;
-      }
-      Eigen::internal::set_is_malloc_allowed(true);
-      const long during_decode = allocations.load() - before;  // before CAPTURE allocates
+      });
       CAPTURE(to_string(mode), key_norm);
-      CHECK(during_decode == 0);
-      CHECK_FALSE(eigen_allocated);
+      CHECK(count.operator_new == 0);
+      CHECK_FALSE(count.eigen_malloc);
       CHECK(out.allFinite());
     }
   }
@@ -82,29 +44,9 @@ TEST_CASE("LRKV decode with double compute and float storage allocates nothing e
   layer.prefill(x.topRows(4), cache);
   RowVector<double> out(64);
   layer.decode(x.row(4), cache, out);
-  const long before = allocations.load();
-  Eigen::internal::set_is_malloc_allowed(false);
-  bool eigen_allocated = false;
-  try {
+  const auto count = test::count_allocations([&] {
     for (Index t = 5; t < 40; ++t) layer.decode(x.row(t), cache, out);
-  } catch (const std::logic_error&) {
-    eigen_allocated = true;
-  }
-  Eigen::internal::set_is_malloc_allowed(true);
-  const long during_decode = allocations.load() - before;
-  CHECK(during_decode == 0);
-  CHECK_FALSE(eigen_allocated);
-}
-
-TEST_CASE("The Eigen malloc guard of this binary fires on a heap allocation", "[cache][lrkv]") {
-  bool fired = false;
-  Eigen::internal::set_is_malloc_allowed(false);
-  try {
-    Eigen::MatrixXf m(64, 64);
-    m.setZero();
-  } catch (const std::logic_error&) {
-    fired = true;
-  }
-  Eigen::internal::set_is_malloc_allowed(true);
-  CHECK(fired);
+  });
+  CHECK(count.operator_new == 0);
+  CHECK_FALSE(count.eigen_malloc);
 }
