@@ -24,6 +24,7 @@
 #include "kvattn/core/rope.hpp"
 #include "kvattn/core/softmax.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/causal_attention.hpp"
 
 namespace kvattn {
 
@@ -254,77 +255,18 @@ class GqaLayer {
     }
   }
 
-  // Flash-attention style causal attention of `query` (the L new tokens, at cache
-  // indices past ... past+L-1) over the cache: query tiles x key tiles with a running
-  // maximum m, normalizer l and accumulator per query row.
+  // Causal attention of `query` (the L new tokens, at cache indices past ...
+  // past+L-1) over the cache, one query head at a time against its KV head's rows,
+  // tiled with an online softmax (detail/causal_attention.hpp).
   template <class S>
   void attend_tiled(const RowMatrix<T>& query, const GqaCache<T, S>& cache, Index past,
                     RowMatrix<T>& heads) const {
-    constexpr Index tile = 64;
-    constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-    const Index length = query.rows();
     const Index dh = config_.head_dim;
-    RowMatrix<T> scores(tile, tile);
-    RowMatrix<T> acc(tile, dh);
-    RowVector<T> running_max(tile), normalizer(tile), rescale(tile);
-    for (Index q0 = 0; q0 < length; q0 += tile) {
-      const Index q_rows = std::min(tile, length - q0);
-      const Index key_end = past + q0 + q_rows;  // keys visible to the tile's last row
-      for (Index h = 0; h < config_.n_heads; ++h) {
-        const Index g = h / config_.group_size();
-        const auto q_tile = query.block(q0, h * dh, q_rows, dh);
-        acc.topRows(q_rows).setZero();
-        running_max.head(q_rows).setConstant(neg_inf);
-        normalizer.head(q_rows).setZero();
-        for (Index k0 = 0; k0 < key_end; k0 += tile) {
-          const Index k_rows = std::min(tile, key_end - k0);
-          const auto k_tile = cache.keys(g).middleRows(k0, k_rows).template cast<T>();
-          const auto v_tile = cache.values(g).middleRows(k0, k_rows).template cast<T>();
-          auto s = scores.topLeftCorner(q_rows, k_rows);
-          s.noalias() = q_tile * k_tile.transpose();
-          for (Index r = 0; r < q_rows; ++r) {
-            const Index visible = past + q0 + r - k0 + 1;  // keys k0 ... past+q0+r
-            T row_max = neg_inf;
-            for (Index c = 0; c < k_rows; ++c) {
-              if (c < visible) {
-                s(r, c) *= scale_;
-                row_max = std::max(row_max, s(r, c));
-              } else {
-                s(r, c) = neg_inf;
-              }
-            }
-            const T new_max = std::max(running_max(r), row_max);
-            if (new_max == neg_inf) {  // no visible key in this tile yet
-              rescale(r) = T(1);
-              s.row(r).setZero();
-              continue;
-            }
-            rescale(r) = std::exp(running_max(r) - new_max);  // exp(-inf) = 0
-            T row_sum = 0;
-            for (Index c = 0; c < k_rows; ++c) {
-              s(r, c) = std::exp(s(r, c) - new_max);
-              row_sum += s(r, c);
-            }
-            normalizer(r) = normalizer(r) * rescale(r) + row_sum;
-            running_max(r) = new_max;
-          }
-          acc.topRows(q_rows) = rescale.head(q_rows).asDiagonal() * acc.topRows(q_rows);
-          if (k0 + k_rows <= past + q0 + 1) {  // every key of the tile visible to every row
-            acc.topRows(q_rows).noalias() += s * v_tile;
-          } else {
-            // On the diagonal, row r reads only its visible values: a masked weight is 0,
-            // but 0 * (a later token's NaN or inf) would still reach an earlier row.
-            for (Index r = 0; r < q_rows; ++r) {
-              const Index visible = std::min(k_rows, past + q0 + r - k0 + 1);
-              if (visible <= 0) continue;
-              acc.row(r).noalias() += s.row(r).head(visible) * v_tile.topRows(visible);
-            }
-          }
-        }
-        // Every query sees at least itself, so the normalizer is >= 1.
-        heads.block(q0, h * dh, q_rows, dh) =
-            normalizer.head(q_rows).cwiseInverse().asDiagonal() * acc.topRows(q_rows);
-      }
+    for (Index h = 0; h < config_.n_heads; ++h) {
+      const Index g = h / config_.group_size();
+      detail::causal_attention<T>(query.middleCols(h * dh, dh), cache.keys(g).template cast<T>(),
+                                  cache.values(g).template cast<T>(), past, scale_,
+                                  heads.middleCols(h * dh, dh));
     }
   }
 
