@@ -1,20 +1,6 @@
 // [cache][mla]: what the MLA cache holds and counts, raw import, forks, NaN-filled
 // capacity, decoding against an empty cache, and an allocation-free decode step.
-//
-// This binary counts heap allocations two ways: global operator new is replaced, and
-// Eigen's own allocator is checked with EIGEN_RUNTIME_NO_MALLOC (its check reports
-// through eigen_assert, redefined here to count instead of abort).
-#include <atomic>
-#include <cstdlib>
-#include <new>
-
-namespace {
-std::atomic<long> allocations{0};
-std::atomic<long> eigen_assert_failures{0};
-}  // namespace
-
-#define EIGEN_RUNTIME_NO_MALLOC
-#define eigen_assert(x) ((x) ? (void)0 : (void)++eigen_assert_failures)
+#include "alloc_counter.hpp"  // first: replaces operator new, arms Eigen's malloc guard
 
 #include <catch2/catch.hpp>
 
@@ -24,21 +10,6 @@ std::atomic<long> eigen_assert_failures{0};
 #include "kvattn/cache/mla_cache.hpp"
 #include "kvattn/reference/mla.hpp"
 #include "test_util.hpp"
-
-void* operator new(std::size_t size) {
-  ++allocations;
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-// The nothrow forms too: otherwise AddressSanitizer's own nothrow operator new (used by
-// libstdc++) would pair with the free() above and report an alloc-dealloc mismatch.
-void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  ++allocations;
-  return std::malloc(size == 0 ? 1 : size);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 using namespace kvattn;
 using kvattn::test::relative_error;
@@ -238,16 +209,12 @@ void check_no_allocation(const MlaConfig& c) {
   layer.prefill(x.topRows(500), cache);
   RowVector<T> out(c.d_model);
   layer.decode(x.row(500), cache, out);  // sizes the workspace
-  const long news_before = allocations.load();
-  const long eigen_before = eigen_assert_failures.load();
-  Eigen::internal::set_is_malloc_allowed(false);
-  for (Index t = 501; t < 700; ++t) layer.decode(x.row(t), cache, out);
-  Eigen::internal::set_is_malloc_allowed(true);
-  const long news = allocations.load() - news_before;  // before CAPTURE allocates
-  const long eigen_mallocs = eigen_assert_failures.load() - eigen_before;
+  const auto count = kvattn::test::count_allocations([&] {
+    for (Index t = 501; t < 700; ++t) layer.decode(x.row(t), cache, out);
+  });
   CAPTURE(sizeof(T), sizeof(S), c.n_heads, c.kv_rank, c.rope_dim, layer.decode_tile());
-  CHECK(news == 0);
-  CHECK(eigen_mallocs == 0);
+  CHECK(count.operator_new == 0);
+  CHECK_FALSE(count.eigen_malloc);
   CHECK(out.allFinite());
 }
 
@@ -268,13 +235,10 @@ TEST_CASE("MLA decode allocates nothing once the cache has capacity", "[cache][m
   c.q_norm = false;
   c.kv_norm = false;
   check_no_allocation<float, float>(c);
-  // Sanity: the Eigen counter does see an allocation (it counts through eigen_assert,
-  // which is otherwise silent in every test of this binary: no Eigen assertion failed).
-  const long failures_before = eigen_assert_failures.load();
-  CHECK(failures_before == 0);
-  Eigen::internal::set_is_malloc_allowed(false);
-  RowMatrix<float> m(4, 4);
-  Eigen::internal::set_is_malloc_allowed(true);
-  CHECK(eigen_assert_failures.load() == failures_before + 1);
-  CHECK(m.size() == 16);
+  // Sanity: both counters of this binary do fire.
+  CHECK(kvattn::test::count_allocations([] { RowMatrix<float> m(4, 4); }).eigen_malloc);
+  CHECK(kvattn::test::count_allocations([] {
+          void* volatile p = ::operator new(16);
+          ::operator delete(p);
+        }).operator_new == 1);
 }

@@ -6,41 +6,14 @@
 // The weights are about 149 M parameters (0.6 GB in float, 1.2 GB in double), and
 // each token reads all of them, so the sequence is short.
 //
-// Decode at this shape must also allocate nothing: global operator new is counted and
-// Eigen's allocator is checked with EIGEN_RUNTIME_NO_MALLOC (reported through
-// eigen_assert, redefined here to count).
-#include <atomic>
-#include <cstdlib>
-#include <new>
-
-namespace {
-std::atomic<long> allocations{0};
-std::atomic<long> eigen_assert_failures{0};
-}  // namespace
-
-#define EIGEN_RUNTIME_NO_MALLOC
-#define eigen_assert(x) ((x) ? (void)0 : (void)++eigen_assert_failures)
+// Decode at this shape must also allocate nothing (tests/alloc_counter.hpp).
+#include "alloc_counter.hpp"  // first: replaces operator new, arms Eigen's malloc guard
 
 #include <catch2/catch.hpp>
 
 #include "kvattn/attention/mla.hpp"
 #include "kvattn/reference/mla.hpp"
 #include "test_util.hpp"
-
-void* operator new(std::size_t size) {
-  ++allocations;
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-// The nothrow forms too: otherwise AddressSanitizer's own nothrow operator new (used by
-// libstdc++) would pair with the free() above and report an alloc-dealloc mismatch.
-void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  ++allocations;
-  return std::malloc(size == 0 ? 1 : size);
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 using namespace kvattn;
 using kvattn::test::relative_error;
@@ -111,18 +84,14 @@ TEST_CASE("MLA at DeepSeek-V2's shape: absorbed equals expanded", "[equivalence]
     y.row(t) = out;
   }
   // The last two decodes run with allocation checks on (the cache has capacity).
-  const long news_before = allocations.load();
-  const long eigen_before = eigen_assert_failures.load();
-  Eigen::internal::set_is_malloc_allowed(false);
-  for (Index t = length - 2; t < length; ++t) {
-    layer.decode(x.row(t), cache, out);
-    y.row(t) = out;
-  }
-  Eigen::internal::set_is_malloc_allowed(true);
-  const long news = allocations.load() - news_before;
-  const long eigen_mallocs = eigen_assert_failures.load() - eigen_before;
-  CHECK(news == 0);
-  CHECK(eigen_mallocs == 0);
+  const auto count = kvattn::test::count_allocations([&] {
+    for (Index t = length - 2; t < length; ++t) {
+      layer.decode(x.row(t), cache, out);
+      y.row(t) = out;
+    }
+  });
+  CHECK(count.operator_new == 0);
+  CHECK_FALSE(count.eigen_malloc);
 
   const double error = relative_error(y, expected);
   CAPTURE(error, kvattn::test::max_abs_error(y, expected));
@@ -140,5 +109,4 @@ TEST_CASE("MLA at DeepSeek-V2's shape: absorbed equals expanded", "[equivalence]
   const double float_error = relative_error(y_float, expected);
   CAPTURE(float_error);
   CHECK(float_error <= 1e-4);
-  CHECK(eigen_assert_failures.load() == 0);
 }
