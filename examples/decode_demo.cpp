@@ -138,7 +138,6 @@ int main(int argc, char** argv) {
   lrkv.rope_mode = kvattn::LrkvRopeMode::commuting;
   lrkv.key_norm = true;
   rows.push_back(run_mechanism("LRKV r=54 commut.+norm", Lrkv::random(lrkv, 7), prompt, steps, 17));
-  // Later mechanisms add their rows here.
 
   print_table(rows, prompt + steps);
   return 0;
