@@ -16,6 +16,8 @@ packages=(
   catch2               # Catch2 2.13, the tests
   libbenchmark-dev     # Google Benchmark 1.7, the benchmarks
   nlohmann-json3-dev   # JSON, for the tools and benchmark reports
+  python3              # scripts/bench_report.py, the benchmark report
+  python3-matplotlib   # its plots (docs/bench/*.svg)
 )
 
 if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then
