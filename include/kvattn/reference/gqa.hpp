@@ -3,9 +3,12 @@
 // the fast paths never include this header.
 #pragma once
 
+#include <string>
 #include <type_traits>
 
 #include "kvattn/attention/gqa.hpp"
+#include "kvattn/cache/gqa_cache.hpp"
+#include "kvattn/core/errors.hpp"
 #include "kvattn/core/mask.hpp"
 #include "kvattn/core/rope.hpp"
 #include "kvattn/reference/dense_attention.hpp"
@@ -45,6 +48,43 @@ RowMatrix<T> forward(const GqaLayer<T>& layer, const ConstMatrixRef<std::type_id
         q.middleCols(h * c.head_dim, c.head_dim), k_h, v_h, static_cast<T>(c.scale()), mask);
   }
   return heads * w.w_o;
+}
+
+/// The attention step of the newest cached token (index cache.tokens() - 1), the
+/// expanded way: the per-head outputs, 1 x H*d_h, before W_O. `query` is that token's
+/// projected query x W_Q (+ b_q), 1 x H*d_h, before RoPE. Every query head gets its own
+/// K and V, materialized from its KV group (cast to T); the query is rotated at
+/// position rope.position_offset + tokens() - 1; then dense attention per head.
+/// Throws config_error if the cache was made for another config, shape_error for a
+/// wrongly shaped query or an empty cache.
+template <class T, class S>
+RowMatrix<T> decode_step(const GqaLayer<T>& layer, const GqaCache<T, S>& cache,
+                         const ConstMatrixRef<std::type_identity_t<T>>& query) {
+  constexpr const char* where = "reference::decode_step";
+  const GqaConfig& c = layer.config();
+  if (!(cache.config() == c)) {
+    throw config_error(std::string(where) + ": the cache was made for config " +
+                       detail::describe(cache.config()) + ", the layer has " + detail::describe(c));
+  }
+  detail::check_shape(where, "query", query, 1, c.n_heads * c.head_dim);
+  if (cache.tokens() < 1) {
+    throw shape_error(std::string(where) +
+                      ": the cache is empty (the newest cached token is the one that attends)");
+  }
+  const Index newest = cache.tokens() - 1;
+  const Index dh = c.head_dim;
+  RowMatrix<T> q = query;
+  const double position = static_cast<double>(c.rope.position_offset + newest);
+  for (Index h = 0; h < c.n_heads; ++h) layer.rope().rotate(q.data() + h * dh, position);
+  RowMatrix<T> heads(1, c.n_heads * dh);
+  for (Index h = 0; h < c.n_heads; ++h) {
+    const Index g = h / c.group_size();  // repeat-interleave
+    const RowMatrix<T> k_h = cache.keys(g).template cast<T>();
+    const RowMatrix<T> v_h = cache.values(g).template cast<T>();
+    heads.middleCols(h * dh, dh) = attention<T>(q.middleCols(h * dh, dh), k_h, v_h,
+                                                layer.softmax_scale(), Mask::causal(), newest);
+  }
+  return heads;
 }
 
 }  // namespace kvattn::reference

@@ -6,9 +6,12 @@
 #pragma once
 
 #include <cmath>
+#include <string>
 #include <type_traits>
 
 #include "kvattn/attention/lrkv.hpp"
+#include "kvattn/cache/lrkv_cache.hpp"
+#include "kvattn/core/errors.hpp"
 #include "kvattn/core/mask.hpp"
 #include "kvattn/core/rope.hpp"
 #include "kvattn/reference/dense_attention.hpp"
@@ -109,6 +112,104 @@ RowMatrix<T> forward(const LrkvLayer<T>& layer, const ConstMatrixRef<std::type_i
     heads.middleCols(h * dh, dh) = attention<T>(q_model, k_model, v, scale, mask);
   }
   return heads * w.w_o;
+}
+
+/// The attention step of the newest cached token (index cache.tokens() - 1), the
+/// expanded way: the per-head outputs, 1 x H*d_h, before W_O. `query` is that token's
+/// projected query [x W_Q | x W_QR], 1 x H*(d_h + d_R) (d_R only for rope_mode
+/// decoupled), before RoPE and scale. Every head's full key and value of every cached
+/// token are materialized from the cached shared rows and latents,
+///   k_h,t = k~_s,t + R_h,t^K (B_h^K)^T,   v_h,t = v_s,t + R_h,t^V (B_h^V)^T,
+/// with key norm (g (.) . / rho_h,t, the gain already in the stored k~_s,t), then
+/// dense attention with the model's logits at position i = rope.position_offset +
+/// tokens() - 1 (P_i rotates):
+///   none       q_h . k_h,t
+///   shared     (P_i q_h) . k~_s,t + q_h . (residual part of k_h,t)   (k~_s,t stored rotated)
+///   decoupled  q_h . k_h,t + (P_i q^R_h) . k~_R,t
+/// Rope modes commuting and full throw config_error (commuting's stored latents are
+/// rotated per plane; full cannot be computed from the cache at all: use forward).
+/// Throws config_error if the cache was made for another config, shape_error for a
+/// wrongly shaped query or an empty cache.
+template <class T, class S>
+RowMatrix<T> decode_step(const LrkvLayer<T>& layer, const LrkvCache<T, S>& cache,
+                         const ConstMatrixRef<std::type_identity_t<T>>& query) {
+  constexpr const char* where = "reference::decode_step";
+  const LrkvConfig& c = layer.config();
+  const LrkvWeights<T>& w = layer.weights();
+  if (!(cache.config() == c)) {
+    throw config_error(std::string(where) + ": the cache was made for config " +
+                       detail::describe(cache.config()) + ", the layer has " + detail::describe(c));
+  }
+  if (c.rope_mode != LrkvRopeMode::none && c.rope_mode != LrkvRopeMode::shared &&
+      c.rope_mode != LrkvRopeMode::decoupled) {
+    throw config_error(std::string(where) + ": rope_mode " + to_string(c.rope_mode) +
+                       " is not supported by the LRKV reference decode step (none, shared and "
+                       "decoupled are); use reference::forward on the whole sequence");
+  }
+  const Index dh = c.head_dim;
+  const Index r = c.rank;
+  const Index dr = c.decoupled_dim();
+  const Index H = c.n_heads;
+  detail::check_shape(where, "query", query, 1, H * (dh + dr));
+  if (cache.tokens() < 1) {
+    throw shape_error(std::string(where) +
+                      ": the cache is empty (the newest cached token is the one that attends)");
+  }
+  const Index L = cache.tokens();
+  const Index newest = L - 1;
+  const double position = static_cast<double>(c.rope.position_offset + newest);
+  const RowMatrix<T> shared_keys = cache.shared_keys().template cast<T>();      // k~_s, L x d_h
+  const RowMatrix<T> shared_values = cache.shared_values().template cast<T>();  // v_s,  L x d_h
+  const RowMatrix<T> rope_keys = cache.rope_keys().template cast<T>();          // k~_R, L x d_R
+  const RowMatrix<T> key_rms = cache.key_rms().template cast<T>();              // rho,  L x H
+  RowMatrix<T> heads(1, H * dh);
+  for (Index h = 0; h < H; ++h) {
+    RowMatrix<T> q = query.middleCols(h * dh, dh);
+    RowMatrix<T> q_rope = query.middleCols(H * dh + h * dr, dr);
+    // Head h's shared and residual key parts and its full value, every cached token.
+    RowMatrix<T> k_shared = shared_keys;
+    RowMatrix<T> k_residual =
+        cache.residual_keys(h).template cast<T>() * w.b_k.middleCols(h * r, r).transpose();
+    const RowMatrix<T> v = shared_values + cache.residual_values(h).template cast<T>() *
+                                               w.b_v.middleCols(h * r, r).transpose();
+    if (c.key_norm) {
+      for (Index t = 0; t < L; ++t) {
+        k_shared.row(t) /= key_rms(t, h);  // the gain is in the stored shared key already
+        k_residual.row(t) = k_residual.row(t).cwiseProduct(w.key_norm_gain) / key_rms(t, h);
+      }
+    }
+    RowMatrix<T> q_model, k_model;
+    switch (c.rope_mode) {
+      case LrkvRopeMode::none:
+        q_model = q;
+        k_model = k_shared + k_residual;
+        break;
+      case LrkvRopeMode::shared: {
+        q_model.resize(1, 2 * dh);
+        k_model.resize(L, 2 * dh);
+        RowMatrix<T> q_rotated = q;
+        layer.rope().rotate(q_rotated.data(), position);
+        q_model.leftCols(dh) = q_rotated;
+        q_model.rightCols(dh) = q;
+        k_model.leftCols(dh) = k_shared;  // stored rotated at each token's own position
+        k_model.rightCols(dh) = k_residual;
+        break;
+      }
+      default: {  // decoupled
+        layer.rope().rotate(q_rope.data(), position);
+        q_model.resize(1, dh + dr);
+        k_model.resize(L, dh + dr);
+        q_model.leftCols(dh) = q;
+        q_model.rightCols(dr) = q_rope;
+        k_model.leftCols(dh) = k_shared + k_residual;
+        k_model.rightCols(dr) = rope_keys;  // stored rotated
+        break;
+      }
+    }
+    heads.middleCols(h * dh, dh) =
+        attention<T>(q_model, k_model, v, layer.softmax_scale(), Mask::causal(), newest);
+  }
+  return heads;
 }
 
 }  // namespace kvattn::reference

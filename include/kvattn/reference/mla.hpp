@@ -4,9 +4,12 @@
 // never include this header.
 #pragma once
 
+#include <string>
 #include <type_traits>
 
 #include "kvattn/attention/mla.hpp"
+#include "kvattn/cache/mla_cache.hpp"
+#include "kvattn/core/errors.hpp"
 #include "kvattn/core/mask.hpp"
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
@@ -67,6 +70,50 @@ RowMatrix<T> forward(const MlaLayer<T>& layer, const ConstMatrixRef<std::type_id
         attention<T>(q.middleCols(h * qd, qd), k_h, v_h, static_cast<T>(c.scale()), mask);
   }
   return heads * w.w_o;
+}
+
+/// The attention step of the newest cached token (index cache.tokens() - 1), the
+/// expanded (re-projecting) way: the per-head outputs, 1 x H*d_v, before W_O. `query` is
+/// that token's projected query [q_h^nope | q_h^R] per head, 1 x H*(d_nope + d_R), before
+/// RoPE. Every step re-projects each head's keys K_h = [C W_UK_h | K_R] and values
+/// V_h = C W_UV_h from the latent cache, rotates q_h^R at position
+/// rope.position_offset + tokens() - 1 (with YaRN when enabled), then dense attention.
+/// Throws config_error if the cache was made for another config, shape_error for a
+/// wrongly shaped query or an empty cache.
+template <class T, class S>
+RowMatrix<T> decode_step(const MlaLayer<T>& layer, const MlaCache<T, S>& cache,
+                         const ConstMatrixRef<std::type_identity_t<T>>& query) {
+  constexpr const char* where = "reference::decode_step";
+  const MlaConfig& c = layer.config();
+  const MlaWeights<T>& w = layer.weights();
+  if (!(cache.config() == c)) {
+    throw config_error(std::string(where) + ": the cache was made for config " +
+                       detail::describe(cache.config()) + ", the layer has " + detail::describe(c));
+  }
+  detail::check_shape(where, "query", query, 1, c.query_width());
+  if (cache.tokens() < 1) {
+    throw shape_error(std::string(where) +
+                      ": the cache is empty (the newest cached token is the one that attends)");
+  }
+  const Index newest = cache.tokens() - 1;
+  const Index dn = c.qk_nope_dim;
+  const Index dr = c.rope_dim;
+  const Index qd = c.qk_head_dim();
+  RowMatrix<T> q = query;
+  const double position = static_cast<double>(c.rope.position_offset + newest);
+  for (Index h = 0; h < c.n_heads; ++h) layer.rope().rotate(q.data() + h * qd + dn, position);
+  const RowMatrix<T> latent = cache.latent().template cast<T>();        // C,   L x d_c
+  const RowMatrix<T> rope_keys = cache.rope_keys().template cast<T>();  // K_R, L x d_R
+  RowMatrix<T> heads(1, c.n_heads * c.v_dim);
+  for (Index h = 0; h < c.n_heads; ++h) {
+    RowMatrix<T> k_h(latent.rows(), qd);
+    k_h.leftCols(dn) = latent * w.w_uk.middleCols(h * dn, dn);
+    k_h.rightCols(dr) = rope_keys;
+    const RowMatrix<T> v_h = latent * w.w_uv.middleCols(h * c.v_dim, c.v_dim);
+    heads.middleCols(h * c.v_dim, c.v_dim) = attention<T>(
+        q.middleCols(h * qd, qd), k_h, v_h, layer.softmax_scale(), Mask::causal(), newest);
+  }
+  return heads;
 }
 
 }  // namespace kvattn::reference

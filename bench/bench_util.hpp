@@ -1,0 +1,239 @@
+// Shared helpers of kvattn_bench: the run mode, registration, the limits every
+// benchmark measures next to its kernel (a read-only pass over the step's bytes and a
+// dense GEMM), the counters, cache rotation, and thin adapters over the layer API.
+// bench/main.cpp documents every benchmark name and counter.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <kvattn/kvattn.hpp>
+
+#if __has_include(<kvattn/core/threads.hpp>)
+#include <kvattn/core/threads.hpp>
+#define KVB_HAVE_THREADS 1
+#else
+#define KVB_HAVE_THREADS 0
+#endif
+
+namespace kvb {
+
+using kvattn::Index;
+using Mat = kvattn::RowMatrix<float>;
+using Row = kvattn::RowVector<float>;
+
+// ---- Run mode and threads -------------------------------------------------------
+
+/// --kvattn_smoke: every family at a tiny L, one iteration, no rotation; the
+/// factored steps are checked against the expanded references.
+bool smoke();
+void set_smoke(bool on);
+/// The tiny sequence length of smoke mode.
+inline constexpr Index kSmokeLength = 64;
+
+/// "All cores": omp_get_max_threads() with OpenMP (what kvattn::Threads::all()
+/// resolves to), else 1.
+int all_threads();
+/// {1, all_threads()}, or {1} when there is one.
+std::vector<int> thread_counts();
+
+// ---- Registration ------------------------------------------------------------------
+
+using Body = std::function<void(benchmark::State&)>;
+
+/// Registers `name` (e.g. "decode/mha") with ArgNames {"L", "T"} for every L x T, in
+/// real time and microseconds. In smoke mode: one L (kSmokeLength), Iterations(1).
+void add(const std::string& name, Body body, const std::vector<Index>& lengths,
+         const std::vector<int>& threads);
+
+// Registration functions, one per file (called by main in this order).
+void register_gqa();
+void register_mla();
+void register_lrkv();
+void register_prefill();
+
+// ---- Limits: read-only pass and dense GEMM -------------------------------------------
+
+/// A set of byte ranges a step must read (cache blocks, weights).
+class ReadSet {
+ public:
+  void add(const void* data, std::size_t bytes) {
+    if (bytes == 0) return;
+    spans_.push_back({static_cast<const unsigned char*>(data), bytes});
+    bytes_ += bytes;
+  }
+  /// A whole dense matrix or map (contiguous: outer stride == inner size).
+  template <class Derived>
+  void add_dense(const Eigen::DenseBase<Derived>& m) {
+    add(m.derived().data(), static_cast<std::size_t>(m.size()) * sizeof(typename Derived::Scalar));
+  }
+  double bytes() const { return static_cast<double>(bytes_); }
+  std::size_t size_bytes() const { return bytes_; }
+
+  struct Span {
+    const unsigned char* data;
+    std::size_t bytes;
+  };
+  const std::vector<Span>& spans() const { return spans_; }
+
+ private:
+  std::vector<Span> spans_;
+  std::size_t bytes_ = 0;
+};
+
+/// One read-only vectorized pass over every byte of `set` with `threads` threads
+/// (the bytes split evenly, OpenMP); returns its wall time in seconds.
+double read_pass(const ReadSet& set, int threads);
+
+/// FLOP/s of a dense float GEMM (1024^3, 128^3 in smoke mode; best of 5) with
+/// `threads` threads, each multiplying its own row block with Eigen.
+double gemm_flop_rate(int threads);
+
+/// The read passes of one benchmark, interleaved with its timed steps.
+class Limits {
+ public:
+  void read(const ReadSet& set, int threads) {
+    seconds_ += read_pass(set, threads);
+    bytes_ += set.bytes();
+  }
+  double bandwidth() const { return seconds_ > 0 ? bytes_ / seconds_ : 0.0; }
+
+ private:
+  double seconds_ = 0;
+  double bytes_ = 0;
+};
+
+/// What one step must do: bytes read (cache + weights), of those the cache bytes,
+/// and FLOPs.
+struct Cost {
+  double bytes = 0;
+  double cache_bytes = 0;
+  double flops = 0;
+};
+
+/// Sets bytes_per_second, bytes, cache_bytes, flops, bw_ref, flop_ref and
+/// roofline_frac (measuring flop_ref now, with `threads`), and the label
+/// "bound:memory" or "bound:compute".
+void report(benchmark::State& state, const Cost& cost, const Limits& limits, int threads);
+
+// ---- Cache rotation -------------------------------------------------------------------
+
+/// How many copies of a step's data (cache and the weights it reads) to rotate over
+/// so that their sum is at least 96 MiB, three times the 32 MiB L3: each step then
+/// reads data that was evicted since it was last used, as a layer of a deep model
+/// would. 1 in smoke mode; at most 256.
+int rotation_count(double slot_bytes);
+
+/// The rotation slot whose read pass follows step `iteration`: half the rotation away
+/// from the slots the neighbouring steps use, so neither the read pass nor the next
+/// step finds its data in L3 (the same slot when there is only one).
+inline int read_slot(Index iteration, int slots) {
+  return static_cast<int>((iteration + slots / 2) % slots);
+}
+
+// ---- Failures -------------------------------------------------------------------------
+
+/// A failed check (smoke mode compares against the references): SkipWithError, and
+/// main() then exits with 1.
+void fail(benchmark::State& state, const std::string& message);
+/// A benchmark that cannot run with this library version (API missing): skipped,
+/// not a failure.
+void skip(benchmark::State& state, const std::string& message);
+bool any_failure();
+
+/// max |a - b| / max |b|.
+double relative_error(const Mat& a, const Mat& b);
+
+// ---- Layers: built once per run, shared by the benchmarks -------------------------------
+
+/// The layer registered under `key`, built by make() the first time. Layers stay alive
+/// for the whole run (about 1.4 GB for all six shapes), so each is built once.
+std::shared_ptr<const void>& layer_slot(const std::string& key);
+
+template <class Layer, class Make>
+std::shared_ptr<const Layer> shared_layer(const std::string& key, Make make) {
+  auto& slot = layer_slot(key);
+  if (!slot) slot = std::make_shared<const Layer>(make());
+  return std::static_pointer_cast<const Layer>(slot);
+}
+
+// ---- Adapters over the layer API --------------------------------------------------------
+//
+// attend(query, cache, heads, Threads) is the step the decode benchmarks time; a layer
+// type without it is skipped. decode / prefill take Threads when the library has them,
+// else they run on one thread (and T > 1 is skipped).
+
+#if KVB_HAVE_THREADS
+using ThreadsArg = kvattn::Threads;
+#else
+struct ThreadsArg {  // a library without kvattn::Threads: no call below accepts it
+  int count = 1;
+};
+#endif
+
+template <class Layer, class Cache>
+concept HasAttend = requires(const Layer& layer, const Row& query, Cache& cache, Row& heads) {
+  layer.attend(query, cache, heads, ThreadsArg{1});
+};
+template <class Layer, class Cache>
+concept HasThreadedDecode = requires(const Layer& layer, const Row& x, Cache& cache, Row& out) {
+  layer.decode(x, cache, out, ThreadsArg{1});
+};
+template <class Layer, class Cache>
+concept HasThreadedPrefill = requires(const Layer& layer, const Mat& x, Cache& cache) {
+  layer.prefill(x, cache, ThreadsArg{1});
+};
+template <class Layer, class Cache>
+concept HasThreadedModePrefill = requires(const Layer& layer, const Mat& x, Cache& cache) {
+  layer.prefill(x, cache, kvattn::MlaPrefill::automatic, ThreadsArg{1});
+};
+
+template <class Layer, class Cache>
+void attend(const Layer& layer, const Row& query, Cache& cache, Row& heads, int threads) {
+  if constexpr (HasAttend<Layer, Cache>) {
+    layer.attend(query, cache, heads, ThreadsArg{threads});
+  } else {
+    (void)layer, (void)query, (void)cache, (void)heads, (void)threads;
+  }
+}
+
+template <class Layer, class Cache>
+constexpr bool can_decode(int threads) {
+  return HasThreadedDecode<Layer, Cache> || threads == 1;
+}
+template <class Layer, class Cache>
+void decode(const Layer& layer, const Row& x, Cache& cache, Row& out, int threads) {
+  if constexpr (HasThreadedDecode<Layer, Cache>) {
+    layer.decode(x, cache, out, ThreadsArg{threads});
+  } else {
+    (void)threads;
+    layer.decode(x, cache, out);
+  }
+}
+
+template <class Layer, class Cache>
+constexpr bool can_prefill(int threads) {
+  return HasThreadedPrefill<Layer, Cache> || HasThreadedModePrefill<Layer, Cache> || threads == 1;
+}
+template <class Layer, class Cache>
+Mat prefill(const Layer& layer, const Mat& x, Cache& cache, int threads) {
+  if constexpr (HasThreadedPrefill<Layer, Cache>) {
+    return layer.prefill(x, cache, ThreadsArg{threads});
+  } else if constexpr (HasThreadedModePrefill<Layer, Cache>) {
+    return layer.prefill(x, cache, kvattn::MlaPrefill::automatic, ThreadsArg{threads});
+  } else {
+    (void)threads;
+    return layer.prefill(x, cache);
+  }
+}
+
+}  // namespace kvb

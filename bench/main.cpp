@@ -1,0 +1,125 @@
+// kvattn_bench: the micro-benchmarks of every attention mechanism (issue 6).
+//
+// USAGE
+//   kvattn_bench [Google Benchmark flags]     the full sizes (minutes; needs ~5 GB)
+//   kvattn_bench --kvattn_smoke               every benchmark once at L = 64 (CI's
+//                                             bench.smoke); the factored decode steps
+//                                             are checked against the references and a
+//                                             mismatch exits with 1
+//   e.g. --benchmark_filter='^decode/mha/L:65536' --benchmark_out=r.json
+//        --benchmark_out_format=json
+//
+// NAMES (L = cached tokens, or prompt tokens for prefill; T = threads: 1 and "all
+// cores", omp_get_max_threads(), 2 on the reference machine). Mechanisms: mha
+// (mha_config(4096, 32, 128)), gqa (gqa_config(4096, 32, 128, 8)), mqa
+// (mqa_config(4096, 32, 128)), mla (deepseek_v2_lite_config(): d 2048, 16 heads, d_c
+// 512, d_R 64, d_nope 128, d_v 128, no query compression), mla_v2
+// (deepseek_v2_config(): d 5120, 128 heads, d_c' 1536), lrkv (d 4096, 32 heads, d_h 128,
+// rank 54, rope_mode shared, half-split RoPE, no key norm). GQA-family layers have no
+// RoPE.
+//   decode/<mech>/L:<L>/T:<T>           L in {1024, 4096, 16384, 65536}, all six mechs.
+//       layer.attend(query, cache, heads, Threads{T}) over a cache of L tokens filled
+//       with the raw append: the attention step of the newest cached token, projected
+//       query in, per-head outputs (before W_O) out. MLA's absorption through W_UK
+//       and W_UV and LRKV's through B^K and B^V are part of the step.
+//   decode_bf16/<mech>/L:<L>/T:<T>      the same step on a bf16 cache
+//       (make_cache<Eigen::bfloat16>): mha at L 4096 and 65536, the others at 65536.
+//   layer_decode/<mech>/L:<L>/T:<T>     the whole layer step, layer.decode(x, cache,
+//       out, Threads{T}) (projections, append, attention over L + 1 tokens, W_O), then
+//       cache.truncate(L). L as decode.
+//   decode_expanded/<mech>/L:<L>/T:1    kvattn::reference::decode_step on the same
+//       cache: every head's K and V materialized (GQA: copied from its KV group; MLA:
+//       re-projected C W_UK_h, C W_UV_h from the latent cache every step; LRKV: shared
+//       rows plus R_h B_h^T), then dense attention. L in {1024, 4096} (mla_v2: 1024);
+//       T = 1 only (the references are serial: kvattn builds EIGEN_DONT_PARALLELIZE).
+//   decode_precached/mla/L:<L>/T:<T>    MLA without absorption: a cache of the
+//       up-projected per-head keys [C W_UK_h | K_R] (192) and values C W_UV_h (128),
+//       16 heads, 5120 floats per token (8.9x the latent row), decoded like MHA by a
+//       kernel in bench_mla.cpp (per head two Eigen GEMVs reading each element once,
+//       heads over threads). L as decode.
+//   prefill/<mech>/L:<L>/T:<T>          layer.prefill(x, cache, Threads{T}) of L tokens
+//       on a cleared cache, L in {512, 2048, 8192}; mha, gqa, mqa, mla, lrkv.
+//
+// COUNTERS (every benchmark above; "step" = one timed iteration)
+//   bytes             bytes the step must read: the cache (cache_bytes) plus the
+//                     weights it reads. decode*: GQA family the cache only; MLA the
+//                     latent rows (d_c + d_R per token) + W_UK + W_UV; LRKV the key and
+//                     value rows (2 (d_h + H r) per token) + B^K + B^V. layer_decode:
+//                     the cache + every weight of the layer. prefill: x + every weight
+//                     + the cache it writes (and reads back).
+//   cache_bytes       the cache's bytes alone (cache.bytes(), storage type included).
+//   bytes_per_second  bytes / time per step.
+//   flops             arithmetic per step (2 per multiply-add; exponentials, norms and
+//                     RoPE not counted):
+//                       GQA decode         4 H L d_h
+//                       MLA decode         2 H d_nope d_c + 2 H d_c d_v
+//                                          + L H (2 (d_c + d_R) + 2 d_c)
+//                       LRKV decode        L H (4 d_h + 4 r) + 4 H d_h r
+//                       precached MLA      2 L H (d_nope + d_R + d_v)
+//                       expanded           GQA as decode; MLA 2 L H d_c (d_nope + d_v)
+//                                          + 2 L H (d_nope + d_R + d_v); LRKV L H (4 r d_h
+//                                          + d_h + 2 (2 d_h) + 2 d_h) for shared
+//                       layer_decode       2 x (weights of the projections and W_O) +
+//                                          the decode formula at L + 1
+//                       prefill            L x per-token projections + the attention
+//                                          of L (L + 1) / 2 causal pairs
+//                     (bench/mech_*.hpp derive each one next to its code).
+//   bw_ref            bytes/s of a read-only vectorized pass over the same buffers (the
+//                     same cache memory and weights), run after every step outside the
+//                     timed region (PauseTiming), with T threads splitting the bytes;
+//                     the sum of all passes' bytes over their time.
+//   flop_ref          FLOP/s of a dense Eigen float GEMM (1024^3, best of 5) with T
+//                     threads (each its own row block), measured after the steps.
+//   roofline_frac     max(bytes / bw_ref, flops / flop_ref) / time per step: the
+//                     fraction of the attainable speed the step reaches (1 = at the
+//                     bound). The label says which bound applies (bound:memory or
+//                     bound:compute).
+//
+// MEASUREMENT
+//   * Real time (UseRealTime) for every benchmark, microseconds.
+//   * Cache rotation: a step's data (cache + the weights it reads) smaller than 96 MiB
+//     (3x the 32 MiB L3) is replicated N times so that N copies hold >= 96 MiB, and
+//     step i uses copy i mod N (with a private copy of the layer when the step reads
+//     weights), as the layers of a deep model would; the read pass after step i reads
+//     copy (i + N/2) mod N, so neither finds its data in L3. Not in smoke mode.
+//   * Caches are filled by append with a pool of min(L, 1024) kvattn::random_normal
+//     rows, repeated cyclically (never a quadratic prefill).
+//   * Layers are built once per run (seed 1) and shared; caches are built inside each
+//     benchmark and freed after it, so memory stays below ~5 GB (MHA at L = 65536:
+//     2.1 GB per fp32 cache).
+#include <benchmark/benchmark.h>
+
+#include <string_view>
+
+#include <Eigen/Core>
+
+#include "bench_util.hpp"
+
+int main(int argc, char** argv) {
+  // Our own flag first, so that Google Benchmark never sees it.
+  bool smoke = false;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--kvattn_smoke") {
+      smoke = true;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  argv[argc] = nullptr;
+
+  kvb::set_smoke(smoke);
+  // Eigen never starts threads of its own here: kvattn runs its own (and builds with
+  // EIGEN_DONT_PARALLELIZE), and the references and limits say their thread counts.
+  Eigen::setNbThreads(1);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  kvb::register_gqa();
+  kvb::register_mla();
+  kvb::register_lrkv();
+  kvb::register_prefill();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return kvb::any_failure() ? 1 : 0;
+}

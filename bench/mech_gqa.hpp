@@ -1,0 +1,88 @@
+// The GQA family (MHA, GQA, MQA) as a benchmark mechanism (see bench_drivers.hpp).
+#pragma once
+
+#include <random>
+#include <string>
+
+#include <kvattn/attention/gqa.hpp>
+
+#include "bench_util.hpp"
+
+namespace kvb {
+
+struct GqaMech {
+  using Layer = kvattn::GqaLayer<float>;
+  template <class S>
+  using Cache = kvattn::GqaCache<float, S>;
+  struct Pool {
+    Mat keys, values;  // rows x n_kv*d_h
+  };
+
+  std::string name;
+  kvattn::GqaConfig config;
+
+  Layer make_layer() const { return Layer::random(config, 1); }
+  Index d_model() const { return config.d_model; }
+  Index query_width() const { return config.n_heads * config.head_dim; }
+  Index heads_width() const { return config.n_heads * config.head_dim; }
+  double H() const { return static_cast<double>(config.n_heads); }
+  double dh() const { return static_cast<double>(config.head_dim); }
+  double kv_width() const { return static_cast<double>(config.n_kv_heads * config.head_dim); }
+  double d() const { return static_cast<double>(config.d_model); }
+
+  Pool make_pool(std::mt19937_64& rng, Index rows) const {
+    const Index width = config.n_kv_heads * config.head_dim;
+    return {kvattn::random_normal<float>(rows, width, rng),
+            kvattn::random_normal<float>(rows, width, rng)};
+  }
+  template <class S>
+  void fill(Cache<S>& cache, Index L, const Pool& pool) const {
+    while (cache.tokens() < L) {
+      const Index n = std::min(pool.keys.rows(), L - cache.tokens());
+      cache.append(pool.keys.topRows(n), pool.values.topRows(n));
+    }
+  }
+  /// Every KV head's keys and values: 2 * n_kv * d_h elements per token.
+  template <class S>
+  void add_cache(ReadSet& set, const Cache<S>& cache) const {
+    for (Index g = 0; g < config.n_kv_heads; ++g) {
+      set.add_dense(cache.keys(g));
+      set.add_dense(cache.values(g));
+    }
+  }
+  /// attend reads no weight (the query comes projected).
+  void add_attend_weights(ReadSet&, const Layer&) const {}
+  void add_layer_weights(ReadSet& set, const Layer& layer) const {
+    const auto& w = layer.weights();
+    set.add_dense(w.w_q);
+    set.add_dense(w.w_k);
+    set.add_dense(w.w_v);
+    set.add_dense(w.w_o);
+    set.add_dense(w.b_q);
+    set.add_dense(w.b_k);
+    set.add_dense(w.b_v);
+  }
+
+  // Per query head and cached token: q.k (d_h multiply-adds) and a * v (d_h
+  // multiply-adds): 4 H L d_h. The softmax's H L exponentials are not counted.
+  double attend_flops(Index L) const { return 4.0 * H() * static_cast<double>(L) * dh(); }
+  // The reference materializes each head's K and V (copies, no arithmetic), then does
+  // the same products.
+  double expanded_flops(Index L) const { return attend_flops(L); }
+  // x W_Q, x W_K, x W_V, o W_O (2 flops per weight), then attention over L + 1 tokens.
+  double projection_flops() const {
+    return 2.0 * (d() * (H() * dh() + 2.0 * kv_width()) + H() * dh() * d());
+  }
+  double layer_flops(Index L) const { return projection_flops() + attend_flops(L + 1); }
+  // Projections of L tokens, then causal attention: L (L + 1) / 2 query/key pairs.
+  double prefill_flops(const Layer&, Index L) const {
+    const double l = static_cast<double>(L);
+    return l * projection_flops() + 4.0 * H() * dh() * l * (l + 1.0) / 2.0;
+  }
+};
+
+inline GqaMech mha_mech() { return {"mha", kvattn::mha_config(4096, 32, 128)}; }
+inline GqaMech gqa_mech() { return {"gqa", kvattn::gqa_config(4096, 32, 128, 8)}; }
+inline GqaMech mqa_mech() { return {"mqa", kvattn::mqa_config(4096, 32, 128)}; }
+
+}  // namespace kvb
