@@ -15,6 +15,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "kvattn/attention/gqa_config.hpp"
@@ -23,8 +24,11 @@
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rope.hpp"
 #include "kvattn/core/softmax.hpp"
+#include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/detail/causal_attention.hpp"
+#include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
 
@@ -145,19 +149,22 @@ class GqaLayer {
 
   /// One new token x (1 x d) through the factored path: appends its K and V, attends
   /// over the whole cache and writes the 1 x d output into `out`. All query heads of
-  /// a KV group are scored in one pass over the group's keys, so each cached element
-  /// is read once per step. Allocates nothing once the cache has capacity.
+  /// a KV group are scored together against each tile of the group's keys, so each
+  /// cached element is read once per step (see attend). Allocates nothing once the
+  /// cache has capacity and has decoded at this thread count.
   ///
   /// x and out are taken as matrices so that a wrongly shaped argument (say 2 x d)
   /// reaches the shape check instead of failing inside Eigen's conversion.
   template <class S>
-  void decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache, MatrixRef<T> out) const {
+  void decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache, MatrixRef<T> out,
+              Threads threads = {}) const {
     check_cache(cache, "GqaLayer::decode");
     detail::check_shape("GqaLayer::decode", "x", x, 1, config_.d_model);
     detail::check_shape("GqaLayer::decode", "out", out, 1, config_.d_model);
+    const int thread_count = threads.resolved();
     auto& ws = cache.workspace();
     cache.ensure_capacity(cache.tokens() + 1);
-    prepare(ws, cache.capacity());
+    const auto plan = prepare(ws, cache.tokens() + 1, thread_count);
     // Everything that may throw is done; from here the step cannot fail.
     const Index position = cache.tokens();
     ws.query.noalias() = x.row(0) * weights_.w_q;
@@ -169,19 +176,46 @@ class GqaLayer {
       ws.value += weights_.b_v;
     }
     const double angle_position = static_cast<double>(config_.rope.position_offset + position);
-    rope_.rotate(ws.query.data(), angle_position, config_.n_heads, config_.head_dim);
     rope_.rotate(ws.key.data(), angle_position, config_.n_kv_heads, config_.head_dim);
     cache.push_row(ws.key, ws.value);
-    attend_decode(cache, ws);
+    attend_prepared(cache, ws, plan, ws.heads.data());
     out.row(0).noalias() = ws.heads * weights_.w_o;
   }
 
   /// Convenience overload returning the 1 x d output (allocates the result).
   template <class S>
-  RowVector<T> decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache) const {
+  RowVector<T> decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache,
+                      Threads threads = {}) const {
     RowVector<T> out(config_.d_model);
-    decode(x, cache, out);
+    decode(x, cache, out, threads);
     return out;
+  }
+
+  /// The attention step alone, for the newest cached token (index tokens() - 1):
+  /// `query` (1 x H*d_h) is that token's projected query x W_Q (+ b_q) before RoPE;
+  /// `heads` (1 x H*d_h) receives the per-head outputs o_h, before W_O. decode is
+  /// projections + append + attend + W_O. The cache is not modified.
+  ///
+  /// Each KV group's query heads are scored against a tile of the group's keys with
+  /// one small matrix product, the tile's softmax weights folded into a running
+  /// (online) softmax, and the same tile's values accumulated, so each cached element
+  /// is read once per step. With threads, KV groups are spread over the threads, and
+  /// when there are fewer groups than threads the sequence is split too and the
+  /// partial softmax states merged exactly (flash-decoding).
+  template <class S>
+  void attend(const ConstMatrixRef<T>& query, GqaCache<T, S>& cache, MatrixRef<T> heads,
+              Threads threads = {}) const {
+    constexpr const char* where = "GqaLayer::attend";
+    check_cache(cache, where);
+    const Index q_width = config_.n_heads * config_.head_dim;
+    detail::check_shape(where, "query", query, 1, q_width);
+    detail::check_shape(where, "heads", heads, 1, q_width);
+    detail::require_tokens(where, cache.tokens());
+    const int thread_count = threads.resolved();
+    auto& ws = cache.workspace();
+    const auto plan = prepare(ws, cache.tokens(), thread_count);
+    ws.query = query.row(0);
+    attend_prepared(cache, ws, plan, heads.data());
   }
 
  private:
@@ -212,47 +246,75 @@ class GqaLayer {
     }
   }
 
+  // Tokens per tile: about 64 KiB of keys and values, so a tile read from memory
+  // stays in L1/L2 while the group's heads are scored and accumulated against it.
+  Index decode_tile() const {
+    const Index row_bytes = 2 * config_.head_dim * static_cast<Index>(sizeof(T));
+    return std::clamp<Index>((Index{64} * 1024 / row_bytes) / 8 * 8, 8, 256);
+  }
+
+  // Sizes the workspace for a step over `length` tokens; may allocate and throw.
   template <class Workspace>
-  void prepare(Workspace& ws, Index capacity) const {
+  detail::SplitPlan prepare(Workspace& ws, Index length, int threads) const {
     const Index q_width = config_.n_heads * config_.head_dim;
     const Index kv_width = config_.n_kv_heads * config_.head_dim;
     if (ws.query.cols() != q_width) ws.query.resize(q_width);
+    if (ws.query_transposed.cols() != q_width) ws.query_transposed.resize(q_width);
     if (ws.heads.cols() != q_width) ws.heads.resize(q_width);
     if (ws.key.cols() != kv_width) ws.key.resize(kv_width);
     if (ws.value.cols() != kv_width) ws.value.resize(kv_width);
-    if (ws.scores.rows() != config_.group_size() || ws.scores.cols() < capacity) {
-      ws.scores.resize(config_.group_size(), capacity);
-    }
+    const Index tile = decode_tile();
+    const Index buffer_width = 0;
+    const auto plan = detail::plan_split(config_.n_kv_heads, config_.group_size(), config_.head_dim,
+                                         length, tile, buffer_width, threads);
+    ws.split.fit(plan);
+    return plan;
   }
 
+  // One KV group's tiles: logits of the group's query heads (scaled, rotated) against
+  // the tile's keys, then the weighted sum of the tile's values.
+  template <class S>
+  struct DecodeOps {
+    const GqaCache<T, S>& cache;
+    const T* query;             // H x d_h
+    const T* query_transposed;  // per group d_h x group_size, or null (see prepare)
+    Index group_size;
+    Index head_dim;
+
+    void score(Index group, Index first, Index n, T* logits, T* /*buffer*/) const {
+      const T* qt =
+          query_transposed != nullptr ? query_transposed + group * group_size * head_dim : nullptr;
+      detail::score(query + group * group_size * head_dim, qt, group_size, head_dim,
+                    cache.key_row(group, first), head_dim, n, logits, group_size, false);
+    }
+
+    void accumulate(Index group, Index first, Index n, const T* weights, T* acc,
+                    T* /*buffer*/) const {
+      detail::accumulate(weights, group_size, group_size, cache.value_row(group, first), head_dim,
+                         head_dim, n, acc, head_dim);
+    }
+  };
+
+  // The attention of the newest token with ws.query (projected, not yet rotated) into
+  // `heads` (H * d_h scalars). Never throws: prepare() has sized everything.
   template <class S, class Workspace>
-  void attend_decode(const GqaCache<T, S>& cache, Workspace& ws) const {
-    const Index length = cache.tokens();
+  void attend_prepared(const GqaCache<T, S>& cache, Workspace& ws, const detail::SplitPlan& plan,
+                       T* heads) const {
+    const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
+    rope_.rotate(ws.query.data(), position, config_.n_heads, config_.head_dim);
+    ws.query *= scale_;
     const Index group = config_.group_size();
     const Index dh = config_.head_dim;
-    const Index stride = ws.scores.cols();
-    for (Index g = 0; g < config_.n_kv_heads; ++g) {
-      const auto keys = cache.keys(g);
-      const auto values = cache.values(g);
-      const auto group_query = ws.query.segment(g * group * dh, group * dh);
-      T* scores = ws.scores.data();
-      // One pass over the group's keys scores every query head of the group.
-      for (Index t = 0; t < length; ++t) {
-        const auto key = keys.row(t).template cast<T>();
-        for (Index i = 0; i < group; ++i) {
-          scores[i * stride + t] = scale_ * group_query.segment(i * dh, dh).dot(key);
-        }
-      }
-      for (Index i = 0; i < group; ++i) softmax_inplace(scores + i * stride, length);
-      auto group_heads = ws.heads.segment(g * group * dh, group * dh);
-      group_heads.setZero();
-      for (Index t = 0; t < length; ++t) {
-        const auto value = values.row(t).template cast<T>();
-        for (Index i = 0; i < group; ++i) {
-          group_heads.segment(i * dh, dh) += scores[i * stride + t] * value;
-        }
+    const bool broadcast = group % detail::packet_size<T> == 0;
+    if (broadcast) {  // each group's heads transposed, d_h x group, for score_broadcast
+      for (Index g = 0; g < config_.n_kv_heads; ++g) {
+        Eigen::Map<RowMatrix<T>>(ws.query_transposed.data() + g * group * dh, dh, group) =
+            Eigen::Map<const RowMatrix<T>>(ws.query.data() + g * group * dh, group, dh).transpose();
       }
     }
+    const DecodeOps<S> ops{cache, ws.query.data(), broadcast ? ws.query_transposed.data() : nullptr,
+                           group, dh};
+    detail::split_attention(plan, ws.split, ops, heads);
   }
 
   // Causal attention of `query` (the L new tokens, at cache indices past ...

@@ -44,7 +44,10 @@
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
 #include "kvattn/core/softmax.hpp"
+#include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
 
@@ -432,23 +435,24 @@ class LrkvLayer {
   }
 
   /// One new token x (1 x d) through the associative path (seed 000, Eqs. 6-7): appends
-  /// its row, attends over the whole cache and writes the 1 x d output into `out`. One
-  /// pass over the cached key rows scores every head (K_s read once for all heads), one
-  /// pass over the value rows accumulates a_h V_s and a_h R_h^V; no per-head key or value
-  /// of a cached token is formed. Allocates nothing once the cache has capacity.
+  /// its row, attends over the whole cache (see attend) and writes the 1 x d output into
+  /// `out`. Allocates nothing once the cache has capacity and has decoded at this
+  /// thread count.
   ///
   /// x and out are taken as matrices so that a wrongly shaped argument (say 2 x d)
   /// reaches the shape check instead of failing inside Eigen's conversion.
   template <class S>
-  void decode(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache, MatrixRef<T> out) const {
+  void decode(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache, MatrixRef<T> out,
+              Threads threads = {}) const {
     constexpr const char* where = "LrkvLayer::decode";
     check_factored(where);
     check_cache(cache, where);
     detail::check_shape(where, "x", x, 1, config_.d_model);
     detail::check_shape(where, "out", out, 1, config_.d_model);
+    const int thread_count = threads.resolved();
     auto& ws = cache.workspace();
     cache.ensure_capacity(cache.tokens() + 1);
-    prepare(ws, cache.capacity());
+    const auto plan = prepare(ws, cache.tokens() + 1, thread_count);
     // Everything that may throw is done; from here the step cannot fail.
     const Index dh = config_.head_dim;
     const Index hr = config_.n_heads * config_.rank;
@@ -461,20 +465,54 @@ class LrkvLayer {
     ws.query.noalias() = x.row(0) * weights_.w_q;
     ws.query_rope.noalias() = x.row(0) * weights_.w_qr;
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens());
-    finish_token(position, ws.key.data(), ws.query.data(), ws.query_latent.data(),
-                 ws.query_rope.data(), ws.rms.data(), ws.scratch.data());
+    finish_key(position, ws.key.data(), ws.rms.data(), ws.scratch.data());
     cache.write_token(ws.key.head(dh), ws.key.segment(dh, hr), ws.key.tail(dr), ws.value.head(dh),
                       ws.value.tail(hr), ws.rms);
-    attend_decode(cache, ws);
+    attend_prepared(cache, ws, plan, ws.heads.data(), thread_count);
     out.row(0).noalias() = ws.heads * weights_.w_o;
   }
 
   /// Convenience overload returning the 1 x d output (allocates the result).
   template <class S>
-  RowVector<T> decode(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache) const {
+  RowVector<T> decode(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache,
+                      Threads threads = {}) const {
     RowVector<T> out(config_.d_model);
-    decode(x, cache, out);
+    decode(x, cache, out, threads);
     return out;
+  }
+
+  /// The attention step alone, for the newest cached token (index tokens() - 1):
+  /// `query` (1 x H*(d_h + d_R)) is that token's projected query [x W_Q | x W_QR]
+  /// (the W_QR part only with rope_mode decoupled, else 1 x H*d_h), before RoPE;
+  /// `heads` (1 x H*d_h) receives the per-head outputs o_h, before W_O. The latent
+  /// query q~_h = (q_h (.) g) B_h^K and the final (a_h R_h^V)(B_h^V)^T are part of the
+  /// step. The cache is not modified.
+  ///
+  /// The associative step (Eqs. 6-7): each tile of cached rows is scored by every head,
+  /// q_h . k~_s,t for all heads at once against the shared key, plus each head's
+  /// latent q~_h . r~_h,t (/ rho_h,t with key norm, + q^R_h . k~_R,t when decoupled);
+  /// the tile's values accumulate a_h V_s and a_h R_h^V under an online softmax. No
+  /// per-head key or value of a cached token is formed, and each cached element is read
+  /// once per step. With threads, the sequence is split across them and the partial
+  /// softmax states merged exactly (flash-decoding).
+  template <class S>
+  void attend(const ConstMatrixRef<T>& query, LrkvCache<T, S>& cache, MatrixRef<T> heads,
+              Threads threads = {}) const {
+    constexpr const char* where = "LrkvLayer::attend";
+    check_factored(where);
+    check_cache(cache, where);
+    const Index H = config_.n_heads;
+    const Index dh = config_.head_dim;
+    const Index q_width = H * (dh + config_.decoupled_dim());
+    detail::check_shape(where, "query", query, 1, q_width);
+    detail::check_shape(where, "heads", heads, 1, H * dh);
+    detail::require_tokens(where, cache.tokens());
+    const int thread_count = threads.resolved();
+    auto& ws = cache.workspace();
+    const auto plan = prepare(ws, cache.tokens(), thread_count);
+    ws.query = query.row(0).head(H * dh);
+    ws.query_rope = query.row(0).tail(H * config_.decoupled_dim());
+    attend_prepared(cache, ws, plan, heads.data(), thread_count);
   }
 
  private:
@@ -505,13 +543,19 @@ class LrkvLayer {
     }
   }
 
-  // Completes one token whose raw projections are in place:
+  // Completes one token whose raw projections are in place (finish_key, then
+  // finish_query):
   //   key   [k_s | r_1 ... r_H | k_R]  (x W_shared^K, x U^K, x W_KR)  -> the stored row
   //   query q (x W^Q), query_rope q^R (x W_QR)                       -> scaled, rotated
   //   query_latent <- scale * (q_h (.) g) B_h^K;  rms <- rho_h (key_norm)
   // `scratch` holds d_h scalars. No allocation.
   void finish_token(double position, T* key, T* query, T* query_latent, T* query_rope, T* rms,
                     T* scratch) const {
+    finish_key(position, key, rms, scratch);
+    finish_query(position, query, query_latent, query_rope);
+  }
+
+  void finish_key(double position, T* key, T* rms, T* scratch) const {
     using RowMap = Eigen::Map<RowVector<T>>;
     const Index dh = config_.head_dim;
     const Index r = config_.rank;
@@ -534,6 +578,14 @@ class LrkvLayer {
     if (config_.rotates_shared()) rope_.rotate(key, position);
     if (config_.rope_mode == LrkvRopeMode::commuting) latent_rope_.rotate(key + dh, position);
     if (config_.rope_mode == LrkvRopeMode::decoupled) rope_.rotate(key + dh + hr, position);
+  }
+
+  void finish_query(double position, T* query, T* query_latent, T* query_rope) const {
+    using RowMap = Eigen::Map<RowVector<T>>;
+    const Index dh = config_.head_dim;
+    const Index r = config_.rank;
+    const Index H = config_.n_heads;
+    const Index hr = H * r;
     // The residual query uses the rotated query only when the residual key is rotated.
     if (config_.rope_mode == LrkvRopeMode::commuting) rope_.rotate(query, position, H, dh);
     for (Index h = 0; h < H && r > 0; ++h) {
@@ -551,8 +603,13 @@ class LrkvLayer {
 
   T rms_of(const T* x, Index n) const { return rms(x, n, config_.key_norm_epsilon); }
 
+  // Tokens per decode tile: a cached row is (d_h + H r) wide twice over, so a few
+  // rows already fill L1; 16 keep the tile in L2 while every head reads its slices.
+  static constexpr Index kDecodeTile = 16;
+
+  // Sizes the workspace for a step over `length` tokens; may allocate and throw.
   template <class Workspace>
-  void prepare(Workspace& ws, Index capacity) const {
+  detail::SplitPlan prepare(Workspace& ws, Index length, int threads) const {
     const Index H = config_.n_heads;
     const Index dh = config_.head_dim;
     const Index hr = H * config_.rank;
@@ -560,6 +617,7 @@ class LrkvLayer {
       if (v.cols() != n) v.resize(n);
     };
     fit(ws.query, H * dh);
+    fit(ws.query_transposed, H * dh);
     fit(ws.query_latent, hr);
     fit(ws.query_rope, H * config_.decoupled_dim());
     fit(ws.key, key_width());
@@ -567,73 +625,90 @@ class LrkvLayer {
     fit(ws.rms, config_.key_norm ? H : 0);
     fit(ws.scratch, dh);
     fit(ws.heads, H * dh);
-    fit(ws.latent_acc, hr);
-    fit(ws.row, std::max(key_width(), dh + hr));
-    if (ws.scores.rows() != H || ws.scores.cols() < capacity) ws.scores.resize(H, capacity);
+    if (ws.acc.rows() != H || ws.acc.cols() != dh + config_.rank) {
+      ws.acc.resize(H, dh + config_.rank);
+    }
+    const auto plan = detail::plan_split(1, H, dh + config_.rank, length, kDecodeTile, 0, threads);
+    ws.split.fit(plan);
+    return plan;
   }
 
-  // The fused associative step over the whole cache (the new token included).
+  // Every head against a tile of cached rows (one group: all heads share the rows).
+  // Accumulator row h is [a_h V_s (d_h) | a_h R_h^V (r)].
+  template <class S>
+  struct DecodeOps {
+    const LrkvCache<T, S>& cache;
+    const T* query;             // H x d_h        scaled (and rotated as the mode says)
+    const T* query_transposed;  // d_h x H
+    const T* query_latent;      // H x r          scaled
+    const T* query_rope;        // H x d_R        scaled, rotated (decoupled)
+    Index heads, head_dim, rank, rope_dim, key_width, value_width;
+    bool key_norm;
+
+    void score(Index, Index first, Index n, T* logits, T*) const {
+      const S* rows = cache.key_row(first);
+      detail::score(query, query_transposed, heads, head_dim, rows, key_width, n, logits, heads,
+                    false);
+      for (Index h = 0; h < heads && rank > 0; ++h) {
+        detail::score_dot(query_latent + h * rank, rank, 1, rank, rows + head_dim + h * rank,
+                          key_width, n, logits + h, heads, true);
+      }
+      if (key_norm) {
+        for (Index t = 0; t < n; ++t) {
+          const auto* rho = cache.rms_row(first + t);
+          for (Index h = 0; h < heads; ++h) logits[t * heads + h] /= static_cast<T>(rho[h]);
+        }
+      }
+      if (rope_dim > 0) {
+        detail::score_dot(query_rope, rope_dim, heads, rope_dim, rows + head_dim + heads * rank,
+                          key_width, n, logits, heads, true);
+      }
+    }
+
+    void accumulate(Index, Index first, Index n, const T* weights, T* acc, T*) const {
+      const S* rows = cache.value_row(first);
+      const Index acc_stride = head_dim + rank;
+      detail::accumulate(weights, heads, heads, rows, value_width, head_dim, n, acc, acc_stride);
+      for (Index h = 0; h < heads && rank > 0; ++h) {
+        detail::accumulate(weights + h, heads, 1, rows + head_dim + h * rank, value_width, rank, n,
+                           acc + h * acc_stride + head_dim, acc_stride);
+      }
+    }
+  };
+
+  // The associative step for the newest token; ws.query / ws.query_rope hold its raw
+  // projected query. Never throws: prepare() has sized everything.
   template <class S, class Workspace>
-  void attend_decode(const LrkvCache<T, S>& cache, Workspace& ws) const {
-    using ConstRowMap = Eigen::Map<const RowVector<T>>;
-    const Index length = cache.tokens();
+  void attend_prepared(const LrkvCache<T, S>& cache, Workspace& ws, const detail::SplitPlan& plan,
+                       T* heads, int threads) const {
     const Index H = config_.n_heads;
     const Index dh = config_.head_dim;
     const Index r = config_.rank;
-    const Index hr = H * r;
-    const Index dr = config_.decoupled_dim();
-    const Index stride = ws.scores.cols();
-    T* scores = ws.scores.data();
-    // Pass 1 (Eq. 6): each cached key row [k~_s | r~_1..r~_H | k~_R] is read once and
-    // scores every head: (q_h . k~_s + q~_h . r~_h) / rho_h + q^R_h . k~_R.
-    for (Index t = 0; t < length; ++t) {
-      const T* row = cached_row(cache.key_row(t), key_width(), ws);
-      const ConstRowMap shared_key(row, dh);
-      const auto* rho = cache.rms_row(t);
-      for (Index h = 0; h < H; ++h) {
-        T s = ConstRowMap(ws.query.data() + h * dh, dh).dot(shared_key);
-        if (r > 0) {
-          s += ConstRowMap(ws.query_latent.data() + h * r, r).dot(ConstRowMap(row + dh + h * r, r));
-        }
-        if (config_.key_norm) s /= static_cast<T>(rho[h]);
-        if (dr > 0) {
-          s += ConstRowMap(ws.query_rope.data() + h * dr, dr).dot(ConstRowMap(row + dh + hr, dr));
-        }
-        scores[h * stride + t] = s;
+    const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
+    finish_query(position, ws.query.data(), ws.query_latent.data(), ws.query_rope.data());
+    Eigen::Map<RowMatrix<T>>(ws.query_transposed.data(), dh, H) =
+        Eigen::Map<const RowMatrix<T>>(ws.query.data(), H, dh).transpose();
+    const DecodeOps<S> ops{cache,
+                           ws.query.data(),
+                           ws.query_transposed.data(),
+                           ws.query_latent.data(),
+                           ws.query_rope.data(),
+                           H,
+                           dh,
+                           r,
+                           config_.decoupled_dim(),
+                           key_width(),
+                           dh + H * r,
+                           config_.key_norm};
+    detail::split_attention(plan, ws.split, ops, ws.acc.data());
+    // o_h = a_h V_s + (a_h R_h^V)(B_h^V)^T: one r x d_h product per head, independent of L.
+    detail::parallel_for(H, threads, [&](Index h) {
+      auto out = Eigen::Map<RowVector<T>>(heads + h * dh, dh);
+      out = ws.acc.row(h).head(dh);
+      if (r > 0) {
+        out.noalias() += ws.acc.row(h).tail(r) * weights_.b_v.middleCols(h * r, r).transpose();
       }
-    }
-    for (Index h = 0; h < H; ++h) softmax_inplace(scores + h * stride, length);
-    // Pass 2 (Eq. 7): each cached value row [v_s | r^V_1..r^V_H] is read once;
-    // o_h accumulates a_h,t v_s,t and the latent accumulator a_h,t r^V_h,t.
-    ws.heads.setZero();
-    ws.latent_acc.setZero();
-    for (Index t = 0; t < length; ++t) {
-      const T* row = cached_row(cache.value_row(t), dh + hr, ws);
-      const ConstRowMap shared_value(row, dh);
-      for (Index h = 0; h < H; ++h) {
-        const T a = scores[h * stride + t];
-        ws.heads.segment(h * dh, dh) += a * shared_value;
-        if (r > 0) ws.latent_acc.segment(h * r, r) += a * ConstRowMap(row + dh + h * r, r);
-      }
-    }
-    // o_h += (a_h R_h^V)(B_h^V)^T: one r x d_h product per head, independent of L.
-    for (Index h = 0; h < H && r > 0; ++h) {
-      ws.heads.segment(h * dh, dh).noalias() +=
-          ws.latent_acc.segment(h * r, r) * weights_.b_v.middleCols(h * r, r).transpose();
-    }
-  }
-
-  // A cached row as T*: the row itself when S == T, else converted into ws.row.
-  template <class S, class Workspace>
-  static const T* cached_row(const S* row, Index width, Workspace& ws) {
-    if constexpr (std::is_same_v<S, T>) {
-      (void)width;
-      (void)ws;
-      return row;
-    } else {
-      for (Index j = 0; j < width; ++j) ws.row[j] = static_cast<T>(row[j]);
-      return ws.row.data();
-    }
+    });
   }
 
   // Flash-attention style causal factored attention of the L new tokens (at cache

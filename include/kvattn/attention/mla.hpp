@@ -41,9 +41,12 @@
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
+#include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/core/yarn.hpp"
 #include "kvattn/detail/causal_attention.hpp"
+#include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
 
@@ -219,33 +222,67 @@ class MlaLayer {
   }
 
   /// One new token x (1 x d) through the absorbed path: appends its latent and rope
-  /// key, attends over the whole cache and writes the 1 x d output into `out`.
-  /// The cached rows [c_kv | k_R] are streamed once, tile by tile, for all heads;
-  /// no per-head key or value of a cached token is ever formed. Allocates nothing
-  /// once the cache has capacity. On an empty cache the token attends to itself only
-  /// (the result equals a one-token prefill).
+  /// key, attends over the whole cache (see attend) and writes the 1 x d output into
+  /// `out`. No per-head key or value of a cached token is ever formed. Allocates
+  /// nothing once the cache has capacity and has decoded at this thread count. On an
+  /// empty cache the token attends to itself only (the result equals a one-token
+  /// prefill).
   template <class S>
-  void decode(const ConstRowRef<T>& x, MlaCache<T, S>& cache, RowRef<T> out) const {
+  void decode(const ConstRowRef<T>& x, MlaCache<T, S>& cache, RowRef<T> out,
+              Threads threads = {}) const {
     check_cache(cache, "MlaLayer::decode");
     detail::check_shape("MlaLayer::decode", "x", x, 1, config_.d_model);
     detail::check_shape("MlaLayer::decode", "out", out, 1, config_.d_model);
+    const int thread_count = threads.resolved();
     auto& ws = cache.workspace();
     cache.ensure_capacity(cache.tokens() + 1);
-    prepare<S>(ws);
+    const auto plan = prepare(ws, cache.tokens() + 1, thread_count);
     // Everything that may throw is done; from here the step cannot fail.
-    const Index position = cache.tokens();
-    project_token(x, position, ws);
+    project_token(x, cache.tokens(), ws);
     cache.push_row(ws.latent, ws.rope_key);
-    attend_absorbed_decode(cache, ws);
+    attend_prepared(cache, ws, plan, ws.heads.data(), thread_count);
     out.noalias() = ws.heads * weights_.w_o;
   }
 
   /// Convenience overload returning the 1 x d output (allocates the result).
   template <class S>
-  RowVector<T> decode(const ConstRowRef<T>& x, MlaCache<T, S>& cache) const {
+  RowVector<T> decode(const ConstRowRef<T>& x, MlaCache<T, S>& cache, Threads threads = {}) const {
     RowVector<T> out(config_.d_model);
-    decode(x, cache, out);
+    decode(x, cache, out, threads);
     return out;
+  }
+
+  /// The attention step alone, for the newest cached token (index tokens() - 1):
+  /// `query` (1 x H*(d_nope + d_R)) is that token's projected query [q_h^nope | q_h^R]
+  /// per head, before RoPE; `heads` (1 x H*d_v) receives the per-head outputs o_h,
+  /// before W_O. The run-time absorption through W_UK and W_UV is part of the step.
+  /// The cache is not modified.
+  ///
+  /// The absorbed step (seed 000, backup slide "MLA also admits associative
+  /// computation": q K^T = (q W_UK^T) Z^T and a V = (a Z) W_UV): each head's content
+  /// query is absorbed, q~_h = q_h^nope W_UK_h^T, so the row [q~_h | q_h^R] scores a
+  /// whole cached row [c_t | k_R,t] with one dot product; all heads are scored against
+  /// a tile of cached rows at once (every row is read once per step, from memory),
+  /// the tile's latents accumulate o-bar_h = sum_t a_h,t c_t under an online softmax,
+  /// and o_h = o-bar_h W_UV_h at the end. With threads, the sequence is split across
+  /// them and the partial softmax states merged exactly (flash-decoding); the
+  /// absorptions are split by head.
+  template <class S>
+  void attend(const ConstMatrixRef<T>& query, MlaCache<T, S>& cache, MatrixRef<T> heads,
+              Threads threads = {}) const {
+    constexpr const char* where = "MlaLayer::attend";
+    check_cache(cache, where);
+    detail::check_shape(where, "query", query, 1, config_.query_width());
+    detail::check_shape(where, "heads", heads, 1, config_.n_heads * config_.v_dim);
+    detail::require_tokens(where, cache.tokens());
+    const int thread_count = threads.resolved();
+    auto& ws = cache.workspace();
+    const auto plan = prepare(ws, cache.tokens(), thread_count);
+    ws.query = query.row(0);
+    const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
+    rope_.rotate(ws.query.data() + config_.qk_nope_dim, position, config_.n_heads,
+                 config_.qk_head_dim());
+    attend_prepared(cache, ws, plan, heads.data(), thread_count);
   }
 
   /// Tokens per tile of the decode pass: about 64 KiB of cached rows, so a tile read
@@ -317,10 +354,10 @@ class MlaLayer {
     rope_.rotate(ws.rope_key.data(), position);
   }
 
-  template <class S, class Workspace>
-  void prepare(Workspace& ws) const {
+  // Sizes the workspace for a step over `length` tokens; may allocate and throw.
+  template <class Workspace>
+  detail::SplitPlan prepare(Workspace& ws, Index length, int threads) const {
     const MlaConfig& c = config_;
-    const Index tile = decode_tile();
     auto fit_row = [](RowVector<T>& v, Index n) {
       if (v.cols() != n) v.resize(n);
     };
@@ -332,77 +369,62 @@ class MlaLayer {
     fit_row(ws.latent, c.kv_rank);
     fit_row(ws.rope_key, c.rope_dim);
     fit(ws.absorbed, c.n_heads, c.cache_width());
-    fit(ws.scores, c.n_heads, tile);
+    fit(ws.absorbed_transposed, c.cache_width(), c.n_heads);
     fit(ws.latent_heads, c.n_heads, c.kv_rank);
-    fit_row(ws.running_max, c.n_heads);
-    fit_row(ws.normalizer, c.n_heads);
-    if constexpr (!std::is_same_v<S, T>) fit(ws.tile, tile, c.cache_width());
     fit_row(ws.heads, c.n_heads * c.v_dim);
+    const auto plan =
+        detail::plan_split(1, c.n_heads, c.kv_rank, length, decode_tile(), 0, threads);
+    ws.split.fit(plan);
+    return plan;
   }
 
-  // The absorbed decode step (seed 000, backup slide "MLA also admits associative
-  // computation": q K^T = (q W_UK^T) Z^T and a V = (a Z) W_UV). Reads only the
-  // cached rows [c_t | k_R,t] and the weights; no per-head K or V is formed.
+  // All heads against a tile of cached rows [c_t | k_R,t] (one group: every head
+  // shares the rows); the values are the rows' latent columns.
+  template <class S>
+  struct DecodeOps {
+    const MlaCache<T, S>& cache;
+    const T* absorbed;             // H x (d_c + d_R), scaled
+    const T* absorbed_transposed;  // (d_c + d_R) x H
+    Index heads;
+    Index kv_rank;
+    Index width;  // d_c + d_R
+
+    void score(Index, Index first, Index n, T* logits, T*) const {
+      detail::score(absorbed, absorbed_transposed, heads, width, cache.row_data(first), width, n,
+                    logits, heads, false);
+    }
+    void accumulate(Index, Index first, Index n, const T* weights, T* acc, T*) const {
+      detail::accumulate(weights, heads, heads, cache.row_data(first), width, kv_rank, n, acc,
+                         kv_rank);
+    }
+  };
+
+  // The absorbed step for the newest token; ws.query holds its rotated query. Never
+  // throws: prepare() has sized everything.
   template <class S, class Workspace>
-  void attend_absorbed_decode(const MlaCache<T, S>& cache, Workspace& ws) const {
+  void attend_prepared(const MlaCache<T, S>& cache, Workspace& ws, const detail::SplitPlan& plan,
+                       T* heads, int threads) const {
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
     const Index dn = c.qk_nope_dim;
     const Index dr = c.rope_dim;
     const Index qd = c.qk_head_dim();
-    // 1. Absorb W_UK into each head's content query, at run time:
-    //    q~_h = q_h^nope W_UK_h^T (1 x d_c). The row [q~_h | q_h^R] * scale then
-    //    scores a whole cached row [c_t | k_R,t] with one dot product.
-    for (Index h = 0; h < c.n_heads; ++h) {
+    // 1. Absorb W_UK into each head's content query, at run time, and scale.
+    detail::parallel_for(c.n_heads, threads, [&](Index h) {
       ws.absorbed.row(h).head(dc).noalias() =
-          ws.query.segment(h * qd, dn) * weights_.w_uk.middleCols(h * dn, dn).transpose();
-      ws.absorbed.row(h).tail(dr) = ws.query.segment(h * qd + dn, dr);
-    }
-    ws.absorbed *= scale_;
-    // 2. One pass over the cached rows, tile by tile. Each tile is read from memory
-    //    once and, while it is in cache, scored by every head and accumulated into
-    //    every head's latent output o-bar_h = sum_t a_h,t c_t with an online softmax.
-    ws.running_max.setConstant(-std::numeric_limits<T>::infinity());
-    ws.normalizer.setZero();
-    ws.latent_heads.setZero();
-    const Index length = cache.tokens();
-    const Index tile = ws.scores.cols();
-    for (Index t0 = 0; t0 < length; t0 += tile) {
-      const Index n = std::min(tile, length - t0);
-      if constexpr (std::is_same_v<S, T>) {
-        score_and_accumulate(cache.rows(t0, n), n, ws);
-      } else {
-        ws.tile.topRows(n) = cache.rows(t0, n).template cast<T>();
-        score_and_accumulate(ws.tile.topRows(n), n, ws);
-      }
-    }
-    // 3. Normalize, then up-project each head's latent output by its own W_UV_h:
-    //    o_h = o-bar_h W_UV_h (1 x d_v).
-    for (Index h = 0; h < c.n_heads; ++h) {
-      ws.latent_heads.row(h) *= T(1) / ws.normalizer(h);
-      ws.heads.segment(h * c.v_dim, c.v_dim).noalias() =
+          scale_ * ws.query.segment(h * qd, dn) * weights_.w_uk.middleCols(h * dn, dn).transpose();
+      ws.absorbed.row(h).tail(dr) = scale_ * ws.query.segment(h * qd + dn, dr);
+    });
+    ws.absorbed_transposed = ws.absorbed.transpose();
+    // 2. One pass over the cached rows for all heads (split_attention.hpp).
+    const DecodeOps<S> ops{cache, ws.absorbed.data(), ws.absorbed_transposed.data(), c.n_heads,
+                           dc,    c.cache_width()};
+    detail::split_attention(plan, ws.split, ops, ws.latent_heads.data());
+    // 3. Up-project each head's latent output by its own W_UV_h: o_h = o-bar_h W_UV_h.
+    detail::parallel_for(c.n_heads, threads, [&](Index h) {
+      Eigen::Map<RowVector<T>>(heads + h * c.v_dim, c.v_dim).noalias() =
           ws.latent_heads.row(h) * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
-    }
-  }
-
-  // One tile of n cached rows (n x (d_c + d_R)) against every head.
-  template <class Rows, class Workspace>
-  void score_and_accumulate(const Rows& rows, Index n, Workspace& ws) const {
-    const Index dc = config_.kv_rank;
-    for (Index h = 0; h < config_.n_heads; ++h) {
-      auto s = ws.scores.row(h).head(n);
-      // s_h,t = scale * ([q~_h | q_h^R] . [c_t | k_R,t]) for the tile's tokens.
-      s.transpose().noalias() = rows * ws.absorbed.row(h).transpose();
-      const T old_max = ws.running_max(h);
-      const T new_max = std::max(old_max, s.maxCoeff());
-      const T rescale = std::exp(old_max - new_max);  // 0 on the first tile
-      s = (s.array() - new_max).exp().matrix();
-      ws.normalizer(h) = ws.normalizer(h) * rescale + s.sum();
-      if (rescale != T(1)) ws.latent_heads.row(h) *= rescale;
-      // o-bar_h += sum_t a_h,t c_t: only the latent columns of the rows.
-      ws.latent_heads.row(h).noalias() += s * rows.leftCols(dc);
-      ws.running_max(h) = new_max;
-    }
+    });
   }
 
   // Expanded prefill ("reconstruct, then attend", seed 002 Chapter 2): per head,

@@ -9,6 +9,7 @@
 #include "kvattn/cache/token_buffer.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
 
@@ -83,13 +84,18 @@ class GqaCache {
   /// KV head g's cached keys / values, tokens() x d_h.
   auto keys(Index g) const { return keys_.block(g); }
   auto values(Index g) const { return values_.block(g); }
+  /// Pointer to KV head g's key / value of token t (rows of one head are contiguous).
+  const S* key_row(Index g, Index t) const { return keys_.row(g, t); }
+  const S* value_row(Index g, Index t) const { return values_.row(g, t); }
 
   /// Scratch of the decode step, owned by the cache because a cache belongs to one
   /// sequence and one thread at a time: decode then allocates nothing once the cache
   /// has capacity, and a layer stays immutable. Not counted in bytes().
   struct Workspace {
+    using storage_type = S;
     RowVector<T> query, key, value, heads;  // 1 x H*d_h, n_kv*d_h, n_kv*d_h, H*d_h
-    RowMatrix<T> scores;                    // group_size x capacity
+    RowVector<T> query_transposed;          // 1 x H*d_h: each group's heads, d_h x group
+    detail::SplitScratch<T> split;          // tiles, partial softmax states per thread
   };
   Workspace& workspace() noexcept { return workspace_; }
 

@@ -10,6 +10,7 @@
 #include "kvattn/cache/token_buffer.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
 
@@ -155,17 +156,17 @@ class LrkvCache {
   /// sequence and one thread at a time: decode then allocates nothing once the cache
   /// has capacity, and a layer stays immutable. Not counted in bytes().
   struct Workspace {
-    RowVector<T> query;         // 1 x H*d_h   q_h for the shared path (scaled, maybe rotated)
-    RowVector<T> query_latent;  // 1 x H*r     q_h (.) g B_h^K (scaled)
-    RowVector<T> query_rope;    // 1 x H*d_R   P_i q_h^R (scaled)
-    RowVector<T> key;           // 1 x key width    the new token's key row
-    RowVector<T> value;         // 1 x value width  the new token's value row
-    RowVector<T> rms;           // 1 x H       the new token's key RMS
-    RowVector<T> scratch;       // 1 x d_h     one head's materialized new key / gained query
-    RowVector<T> heads;         // 1 x H*d_h   per-head outputs o_h
-    RowVector<T> latent_acc;    // 1 x H*r     a_h R_h^V
-    RowVector<T> row;           // 1 x max(key, value width): a cached row converted from S
-    RowMatrix<T> scores;        // H x capacity
+    RowVector<T> query;             // 1 x H*d_h   q_h for the shared path (scaled, maybe rotated)
+    RowVector<T> query_transposed;  // 1 x H*d_h   the same as d_h x H
+    RowVector<T> query_latent;      // 1 x H*r     q_h (.) g B_h^K (scaled)
+    RowVector<T> query_rope;        // 1 x H*d_R   P_i q_h^R (scaled)
+    RowVector<T> key;               // 1 x key width    the new token's key row
+    RowVector<T> value;             // 1 x value width  the new token's value row
+    RowVector<T> rms;               // 1 x H       the new token's key RMS
+    RowVector<T> scratch;           // 1 x d_h     one head's materialized new key
+    RowVector<T> heads;             // 1 x H*d_h   per-head outputs o_h
+    RowMatrix<T> acc;               // H x (d_h + r)  [a_h V_s | a_h R_h^V]
+    detail::SplitScratch<T> split;  // partial softmax states per thread
   };
   Workspace& workspace() noexcept { return workspace_; }
 

@@ -10,6 +10,7 @@
 #include "kvattn/cache/token_buffer.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
 
@@ -83,6 +84,8 @@ class MlaCache {
     return Rows(rows_.row(0, first), count, config_.cache_width(),
                 Eigen::OuterStride<>(config_.cache_width()));
   }
+  /// Pointer to cached row t, [c_t | k_R,t] (rows are contiguous, d_c + d_R apart).
+  const S* row_data(Index t) const { return rows_.row(0, t); }
   /// The latents C, tokens() x d_c (a column block of rows()).
   auto latent() const { return rows().leftCols(config_.kv_rank); }
   /// The rotated rope keys K_R, tokens() x d_R (a column block of rows()).
@@ -93,17 +96,15 @@ class MlaCache {
   /// has capacity, and a layer stays immutable. Its size does not depend on the
   /// number of tokens. Not counted in bytes().
   struct Workspace {
-    RowVector<T> q_latent;      // 1 x d_c'         c_q (with query compression)
-    RowVector<T> query;         // 1 x H*(d_nope+d_R)  [q_h^nope | q_h^R] per head
-    RowVector<T> latent;        // 1 x d_c          the new token's c_kv
-    RowVector<T> rope_key;      // 1 x d_R          the new token's k_R
-    RowMatrix<T> absorbed;      // H x (d_c+d_R)    scale * [q_h^nope W_UK_h^T | q_h^R]
-    RowMatrix<T> scores;        // H x tile         one tile's logits / weights
-    RowMatrix<T> latent_heads;  // H x d_c          o-bar_h = sum_t a_h,t c_t
-    RowVector<T> running_max;   // 1 x H            online-softmax maximum
-    RowVector<T> normalizer;    // 1 x H            online-softmax sum
-    RowMatrix<T> tile;          // tile x (d_c+d_R) storage rows converted to T (S != T)
-    RowVector<T> heads;         // 1 x H*d_v        o_h = o-bar_h W_UV_h, all heads
+    RowVector<T> q_latent;             // 1 x d_c'            c_q (with query compression)
+    RowVector<T> query;                // 1 x H*(d_nope+d_R)  [q_h^nope | q_h^R] per head
+    RowVector<T> latent;               // 1 x d_c             the new token's c_kv
+    RowVector<T> rope_key;             // 1 x d_R             the new token's k_R
+    RowMatrix<T> absorbed;             // H x (d_c+d_R)  scale * [q_h^nope W_UK_h^T | q_h^R]
+    RowMatrix<T> absorbed_transposed;  // (d_c+d_R) x H  the same, one column per head
+    RowMatrix<T> latent_heads;         // H x d_c        o-bar_h = sum_t a_h,t c_t
+    RowVector<T> heads;                // 1 x H*d_v      o_h = o-bar_h W_UV_h, all heads
+    detail::SplitScratch<T> split;     // tiles, partial softmax states per thread
   };
   Workspace& workspace() noexcept { return workspace_; }
 

@@ -59,5 +59,15 @@ void require(bool ok, const char* where, const char* field, const Value& value,
   }
 }
 
+/// Throws shape_error unless the cache holds a token to attend from: attend() is
+/// the step of the newest cached token.
+inline void require_tokens(const char* where, Index tokens) {
+  if (tokens < 1) {
+    throw shape_error(std::string(where) +
+                      ": the cache holds 0 tokens, expected at least 1 (attend computes the "
+                      "step of the newest cached token; append or decode it first)");
+  }
+}
+
 }  // namespace detail
 }  // namespace kvattn

@@ -1,0 +1,74 @@
+// How many threads a layer call may use (OpenMP, optional).
+#pragma once
+
+#include <string>
+
+#include "kvattn/core/errors.hpp"
+#include "kvattn/core/types.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace kvattn {
+
+/// True when kvattn was compiled with OpenMP (the kvattn::kvattn target links it
+/// when CMake finds it; see docs/building.md). Without it every call runs on the
+/// calling thread, whatever Threads asks for.
+inline constexpr bool have_openmp =
+#ifdef _OPENMP
+    true;
+#else
+    false;
+#endif
+
+/// Threads a decode, attend or prefill call may use: `count` threads, or every
+/// available one (OpenMP's omp_get_max_threads()) when count is 0. The default,
+/// one thread, never starts a parallel region.
+struct Threads {
+  int count = 1;
+
+  static constexpr Threads all() { return Threads{0}; }
+
+  /// The number of threads the call will run: count, or all available when 0;
+  /// always 1 without OpenMP. Throws config_error when count < 0.
+  int resolved() const {
+    if (count < 0) {
+      throw config_error("Threads: count (" + std::to_string(count) +
+                         ") must be >= 1, or 0 for all available threads");
+    }
+#ifdef _OPENMP
+    return count == 0 ? omp_get_max_threads() : count;
+#else
+    return 1;
+#endif
+  }
+};
+
+namespace detail {
+/// The index of the calling thread inside a kvattn parallel region (0 outside).
+inline int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+/// f(0) ... f(n - 1), spread over `threads` threads (static schedule). f must not
+/// throw: an exception cannot leave an OpenMP region.
+template <class F>
+void parallel_for(Index n, int threads, F&& f) {
+#ifdef _OPENMP
+  if (threads > 1 && n > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (Index i = 0; i < n; ++i) f(i);
+    return;
+  }
+#endif
+  (void)threads;
+  for (Index i = 0; i < n; ++i) f(i);
+}
+}  // namespace detail
+
+}  // namespace kvattn
