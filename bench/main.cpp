@@ -35,8 +35,8 @@
 //   decode_precached/mla/L:<L>/T:<T>    MLA without absorption: a cache of the
 //       up-projected per-head keys [C W_UK_h | K_R] (192) and values C W_UV_h (128),
 //       16 heads, 5120 floats per token (8.9x the latent row), decoded like MHA by a
-//       kernel in bench_mla.cpp (per head two Eigen GEMVs reading each element once,
-//       heads over threads). L as decode.
+//       kernel in bench_mla.cpp (per head a dot-product pass over K_h, a softmax and an
+//       axpy pass over V_h, reading each element once; heads over threads). L as decode.
 //   prefill/<mech>/L:<L>/T:<T>          layer.prefill(x, cache, Threads{T}) of L tokens
 //       on a cleared cache, L in {512, 2048, 8192}; mha, gqa, mqa, mla, lrkv.
 //
