@@ -70,6 +70,21 @@ std::shared_ptr<const typename M::Layer> layer_of(const M& mech) {
   return shared_layer<typename M::Layer>(mech.name, [&] { return mech.make_layer(); });
 }
 
+/// Adds the cache's buffers to `set`; fails the benchmark (false) unless they cover
+/// exactly cache.bytes(), so a change of cache layout cannot silently skew bw_ref.
+template <class M, class C>
+bool add_cache_checked(benchmark::State& state, const M& mech, ReadSet& set, const C& cache) {
+  ReadSet part;
+  mech.add_cache(part, cache);
+  if (part.size_bytes() != cache.bytes()) {
+    fail(state, mech.name + ": the read set covers " + std::to_string(part.size_bytes()) +
+                    " bytes of the cache, cache.bytes() is " + std::to_string(cache.bytes()));
+    return false;
+  }
+  for (const auto& span : part.spans()) set.add(span.data, span.bytes);
+  return true;
+}
+
 /// decode/<mech> (expanded = false): layer.attend over a filled cache of L tokens.
 /// decode_expanded/<mech> (expanded = true): reference::decode_step on the same cache.
 template <class M, class S>
@@ -94,7 +109,7 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
   auto slots = make_slots<M, S>(mech, base, n, weights.bytes() > 0, L, L, pool);
   for (int i = 0; i < n; ++i) {
     ReadSet set;
-    mech.add_cache(set, slots.caches[i]);
+    if (!add_cache_checked(state, mech, set, slots.caches[i])) return;
     mech.add_attend_weights(set, *slots.layers[i]);
     slots.reads.push_back(set);
   }
@@ -160,7 +175,7 @@ void run_layer_decode(benchmark::State& state, const M& mech) {
   auto slots = make_slots<M, S>(mech, base, n, true, L, L + 1, pool);
   for (int i = 0; i < n; ++i) {
     ReadSet set;
-    mech.add_cache(set, slots.caches[i]);
+    if (!add_cache_checked(state, mech, set, slots.caches[i])) return;
     mech.add_layer_weights(set, *slots.layers[i]);
     slots.reads.push_back(set);
   }
@@ -215,7 +230,7 @@ void run_prefill(benchmark::State& state, const M& mech) {
     ReadSet set;
     set.add_dense(x);
     mech.add_layer_weights(set, *slots.layers[i]);
-    mech.add_cache(set, slots.caches[i]);
+    if (!add_cache_checked(state, mech, set, slots.caches[i])) return;
     slots.reads.push_back(set);
   }
   Limits limits;
