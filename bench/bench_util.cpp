@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <thread>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -150,7 +151,10 @@ double read_pass(const ReadSet& set, int threads) {
   return seconds;
 }
 
-double gemm_flop_rate(int threads) {
+namespace {
+
+// Best-of-`reps` FLOP/s of C = A * B (n x n, float) with `threads` threads.
+double measure_gemm(int threads, int reps) {
   const Index n = smoke() ? 128 : 1024;
   const Mat a = Mat::Random(n, n);
   const Mat b = Mat::Random(n, n);
@@ -175,7 +179,7 @@ double gemm_flop_rate(int threads) {
   };
   multiply();  // warm-up: page faults, thread team
   double best = std::numeric_limits<double>::infinity();
-  for (int rep = 0; rep < 5; ++rep) {
+  for (int rep = 0; rep < reps; ++rep) {
     const auto start = Clock::now();
     multiply();
     best = std::min(best, seconds_since(start));
@@ -183,6 +187,26 @@ double gemm_flop_rate(int threads) {
   }
   const double nd = static_cast<double>(n);
   return 2.0 * nd * nd * nd / best;
+}
+
+std::map<int, double>& best_gemm_rates() {
+  static std::map<int, double> rates;
+  return rates;
+}
+
+}  // namespace
+
+double gemm_flop_rate(int threads) {
+  double& best = best_gemm_rates()[threads];
+  best = std::max(best, measure_gemm(threads, 5));
+  return best;
+}
+
+void calibrate_gemm() {
+  for (const int t : thread_counts()) {
+    double& best = best_gemm_rates()[t];
+    best = std::max(best, measure_gemm(t, smoke() ? 2 : 20));
+  }
 }
 
 // ---- Counters --------------------------------------------------------------------------

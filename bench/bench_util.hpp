@@ -94,9 +94,14 @@ class ReadSet {
 /// (the bytes split evenly, OpenMP); returns its wall time in seconds.
 double read_pass(const ReadSet& set, int threads);
 
-/// FLOP/s of a dense float GEMM (1024^3, 128^3 in smoke mode; best of 5) with
-/// `threads` threads, each multiplying its own row block with Eigen.
+/// flop_ref: the best FLOP/s of a dense float GEMM (1024^3, 128^3 in smoke mode) with
+/// `threads` threads, each multiplying its own row block with Eigen, seen so far in this
+/// run: measures best-of-5 now and returns the maximum over this and every earlier
+/// measurement (calibrate_gemm's included). The best, because on a shared machine a
+/// single measurement is often preempted: the attainable rate is the fastest one seen.
 double gemm_flop_rate(int threads);
+/// Best-of-20 GEMM measurements for every thread count, once before the benchmarks.
+void calibrate_gemm();
 
 /// The read passes of one benchmark, interleaved with its timed steps.
 class Limits {

@@ -68,8 +68,12 @@
 //                     same cache memory and weights), run after every step outside the
 //                     timed region (PauseTiming), with T threads splitting the bytes;
 //                     the sum of all passes' bytes over their time.
-//   flop_ref          FLOP/s of a dense Eigen float GEMM (1024^3, best of 5) with T
-//                     threads (each its own row block), measured after the steps.
+//   flop_ref          FLOP/s of a dense Eigen float GEMM (1024^3) with T threads (each
+//                     its own row block): best-of-5 measured after the steps, and the
+//                     reported value is the best seen so far in this run with T threads
+//                     (a best-of-20 calibration runs before the first benchmark). The
+//                     best, because on a shared machine a single GEMM is often
+//                     preempted, and flop_ref is the attainable rate.
 //   roofline_frac     max(bytes / bw_ref, flops / flop_ref) / time per step: the
 //                     fraction of the attainable speed the step reaches (1 = at the
 //                     bound). The label says which bound applies (bound:memory or
@@ -119,6 +123,7 @@ int main(int argc, char** argv) {
   kvb::register_mla();
   kvb::register_lrkv();
   kvb::register_prefill();
+  kvb::calibrate_gemm();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return kvb::any_failure() ? 1 : 0;
