@@ -9,7 +9,8 @@
 //   e.g. --benchmark_filter='^decode/mha/L:65536' --benchmark_out=r.json
 //        --benchmark_out_format=json
 //
-// NAMES (L = cached tokens, or prompt tokens for prefill; T = threads: 1 and "all
+// NAMES (Google Benchmark appends "/real_time", and "/iterations:1" in smoke mode;
+// L = cached tokens, or prompt tokens for prefill; T = threads: 1 and "all
 // cores", omp_get_max_threads(), 2 on the reference machine). Mechanisms: mha
 // (mha_config(4096, 32, 128)), gqa (gqa_config(4096, 32, 128, 8)), mqa
 // (mqa_config(4096, 32, 128)), mla (deepseek_v2_lite_config(): d 2048, 16 heads, d_c
