@@ -10,6 +10,12 @@
 
 #include "kvattn/core/types.hpp"
 
+// Eigen's narrow scalar types, declared here so this header stays free of Eigen.
+namespace Eigen {
+struct bfloat16;
+struct half;
+}  // namespace Eigen
+
 namespace kvattn::analysis {
 
 /// Element type of a cache buffer.
@@ -88,15 +94,19 @@ constexpr std::optional<Dtype> parse_dtype(std::string_view name) {
   return std::nullopt;
 }
 
-/// The Dtype of a C++ storage scalar: float -> fp32, double -> fp64 (what the library's
-/// caches store today). Other types do not compile, so a new storage type must be
-/// added here before the analysis can describe it.
+/// The Dtype of a C++ storage scalar: float -> fp32, double -> fp64, Eigen::bfloat16 ->
+/// bf16, Eigen::half -> fp16 (the storage types the library's caches take). Other
+/// types do not compile, so a new storage type must be added here first.
 template <class S>
 constexpr Dtype dtype_of() {
   if constexpr (std::is_same_v<S, float>) {
     return Dtype::fp32;
   } else if constexpr (std::is_same_v<S, double>) {
     return Dtype::fp64;
+  } else if constexpr (std::is_same_v<S, Eigen::bfloat16>) {
+    return Dtype::bf16;
+  } else if constexpr (std::is_same_v<S, Eigen::half>) {
+    return Dtype::fp16;
   } else {
     static_assert(sizeof(S) == 0, "kvattn::analysis::dtype_of: no Dtype for this storage type");
   }

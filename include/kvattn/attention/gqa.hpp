@@ -133,18 +133,25 @@ class GqaLayer {
   /// Causal prefill of L new tokens x (L x d) after the cache's tokens: appends their
   /// K and V to the cache and returns the L x d output. Attention is tiled with an
   /// online softmax, so memory is O(L * d + tile^2), never L x L.
+  ///
+  /// With threads, the projections are split by output column and the attention by
+  /// query head.
   template <class S>
-  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache) const {
+  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache,
+                       Threads threads = {}) const {
     check_cache(cache, "GqaLayer::prefill");
     detail::check_shape("GqaLayer::prefill", "x", x, -1, config_.d_model);
+    const int thread_count = threads.resolved();
     const Index past = cache.tokens();
     const Index length = x.rows();
     RowMatrix<T> query, key, value;
-    project(x, past, query, key, value);
+    project(x, past, query, key, value, thread_count);
     cache.append(key, value);  // strong guarantee: on failure nothing changed
     RowMatrix<T> heads(length, config_.n_heads * config_.head_dim);
-    attend_tiled(query, cache, past, heads);
-    return heads * weights_.w_o;
+    attend_tiled(query, cache, past, heads, thread_count);
+    RowMatrix<T> out(length, config_.d_model);
+    detail::parallel_product(heads, weights_.w_o, out, thread_count);
+    return out;
   }
 
   /// One new token x (1 x d) through the factored path: appends its K and V, attends
@@ -167,9 +174,9 @@ class GqaLayer {
     const auto plan = prepare(ws, cache.tokens() + 1, thread_count);
     // Everything that may throw is done; from here the step cannot fail.
     const Index position = cache.tokens();
-    ws.query.noalias() = x.row(0) * weights_.w_q;
-    ws.key.noalias() = x.row(0) * weights_.w_k;
-    ws.value.noalias() = x.row(0) * weights_.w_v;
+    detail::parallel_product(x, weights_.w_q, ws.query, thread_count);
+    detail::parallel_product(x, weights_.w_k, ws.key, thread_count);
+    detail::parallel_product(x, weights_.w_v, ws.value, thread_count);
     if (config_.qkv_bias) {
       ws.query += weights_.b_q;
       ws.key += weights_.b_k;
@@ -179,7 +186,7 @@ class GqaLayer {
     rope_.rotate(ws.key.data(), angle_position, config_.n_kv_heads, config_.head_dim);
     cache.push_row(ws.key, ws.value);
     attend_prepared(cache, ws, plan, ws.heads.data());
-    out.row(0).noalias() = ws.heads * weights_.w_o;
+    detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
   }
 
   /// Convenience overload returning the 1 x d output (allocates the result).
@@ -230,10 +237,13 @@ class GqaLayer {
 
   // Q, K, V of x with biases and RoPE; token i sits at cache index past + i.
   void project(const ConstMatrixRef<T>& x, Index past, RowMatrix<T>& query, RowMatrix<T>& key,
-               RowMatrix<T>& value) const {
-    query.noalias() = x * weights_.w_q;
-    key.noalias() = x * weights_.w_k;
-    value.noalias() = x * weights_.w_v;
+               RowMatrix<T>& value, int threads) const {
+    query.resize(x.rows(), weights_.w_q.cols());
+    key.resize(x.rows(), weights_.w_k.cols());
+    value.resize(x.rows(), weights_.w_v.cols());
+    detail::parallel_product(x, weights_.w_q, query, threads);
+    detail::parallel_product(x, weights_.w_k, key, threads);
+    detail::parallel_product(x, weights_.w_v, value, threads);
     if (config_.qkv_bias) {
       query.rowwise() += weights_.b_q;
       key.rowwise() += weights_.b_k;
@@ -322,14 +332,14 @@ class GqaLayer {
   // tiled with an online softmax (detail/causal_attention.hpp).
   template <class S>
   void attend_tiled(const RowMatrix<T>& query, const GqaCache<T, S>& cache, Index past,
-                    RowMatrix<T>& heads) const {
+                    RowMatrix<T>& heads, int threads) const {
     const Index dh = config_.head_dim;
-    for (Index h = 0; h < config_.n_heads; ++h) {
+    detail::parallel_for(config_.n_heads, threads, [&](Index h) {
       const Index g = h / config_.group_size();
       detail::causal_attention<T>(query.middleCols(h * dh, dh), cache.keys(g).template cast<T>(),
                                   cache.values(g).template cast<T>(), past, scale_,
                                   heads.middleCols(h * dh, dh));
-    }
+    });
   }
 
   GqaConfig config_;

@@ -400,13 +400,17 @@ class LrkvLayer {
 
   /// Causal prefill of L new tokens x (L x d) after the cache's tokens: appends their
   /// shared features and latents and returns the L x d output. Factored and tiled
-  /// (online softmax over key tiles), so memory is O(L * (d + H * r) + tile^2).
+  /// (online softmax over key tiles), so memory is O(L * (d + H * r) + tile^2). With
+  /// threads, the projections are split by output column and the attention by query
+  /// tile.
   template <class S>
-  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache) const {
+  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache,
+                       Threads threads = {}) const {
     constexpr const char* where = "LrkvLayer::prefill";
     check_factored(where);
     check_cache(cache, where);
     detail::check_shape(where, "x", x, -1, config_.d_model);
+    const int thread_count = threads.resolved();
     const Index n = x.rows();
     const Index past = cache.tokens();
     const Index dh = config_.head_dim;
@@ -416,11 +420,12 @@ class LrkvLayer {
     RowMatrix<T> rms(n, config_.key_norm ? config_.n_heads : 0);
     RowVector<T> scratch(dh);
     key.leftCols(dh).noalias() = x * weights_.w_k_shared;
-    key.middleCols(dh, hr).noalias() = x * weights_.u_k;
+    detail::parallel_product(x, weights_.u_k, key.middleCols(dh, hr), thread_count);
     key.rightCols(dr).noalias() = x * weights_.w_kr;
     value.leftCols(dh).noalias() = x * weights_.w_v_shared;
-    value.rightCols(hr).noalias() = x * weights_.u_v;
-    query.noalias() = x * weights_.w_q;
+    detail::parallel_product(x, weights_.u_v, value.rightCols(hr), thread_count);
+    query.resize(n, weights_.w_q.cols());
+    detail::parallel_product(x, weights_.w_q, query, thread_count);
     query_rope.noalias() = x * weights_.w_qr;
     for (Index i = 0; i < n; ++i) {
       const double position = static_cast<double>(config_.rope.position_offset + past + i);
@@ -430,8 +435,10 @@ class LrkvLayer {
     cache.append({key.leftCols(dh), value.leftCols(dh), key.middleCols(dh, hr), value.rightCols(hr),
                   key.rightCols(dr), rms});  // strong guarantee
     RowMatrix<T> heads(n, config_.n_heads * dh);
-    attend_tiled(query, query_latent, query_rope, cache, past, heads);
-    return heads * weights_.w_o;
+    attend_tiled(query, query_latent, query_rope, cache, past, heads, thread_count);
+    RowMatrix<T> out(n, config_.d_model);
+    detail::parallel_product(heads, weights_.w_o, out, thread_count);
+    return out;
   }
 
   /// One new token x (1 x d) through the associative path (seed 000, Eqs. 6-7): appends
@@ -458,18 +465,18 @@ class LrkvLayer {
     const Index hr = config_.n_heads * config_.rank;
     const Index dr = config_.decoupled_dim();
     ws.key.head(dh).noalias() = x.row(0) * weights_.w_k_shared;
-    ws.key.segment(dh, hr).noalias() = x.row(0) * weights_.u_k;
+    detail::parallel_product(x, weights_.u_k, ws.key.segment(dh, hr), thread_count);
     ws.key.tail(dr).noalias() = x.row(0) * weights_.w_kr;
     ws.value.head(dh).noalias() = x.row(0) * weights_.w_v_shared;
-    ws.value.tail(hr).noalias() = x.row(0) * weights_.u_v;
-    ws.query.noalias() = x.row(0) * weights_.w_q;
+    detail::parallel_product(x, weights_.u_v, ws.value.tail(hr), thread_count);
+    detail::parallel_product(x, weights_.w_q, ws.query, thread_count);
     ws.query_rope.noalias() = x.row(0) * weights_.w_qr;
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens());
     finish_key(position, ws.key.data(), ws.rms.data(), ws.scratch.data());
     cache.write_token(ws.key.head(dh), ws.key.segment(dh, hr), ws.key.tail(dr), ws.value.head(dh),
                       ws.value.tail(hr), ws.rms);
     attend_prepared(cache, ws, plan, ws.heads.data(), thread_count);
-    out.row(0).noalias() = ws.heads * weights_.w_o;
+    detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
   }
 
   /// Convenience overload returning the 1 x d output (allocates the result).
@@ -717,7 +724,7 @@ class LrkvLayer {
   template <class S>
   void attend_tiled(const RowMatrix<T>& query, const RowMatrix<T>& query_latent,
                     const RowMatrix<T>& query_rope, const LrkvCache<T, S>& cache, Index past,
-                    RowMatrix<T>& heads) const {
+                    RowMatrix<T>& heads, int threads) const {
     constexpr Index tile = 64;
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
     const Index length = query.rows();
@@ -728,10 +735,14 @@ class LrkvLayer {
     const auto shared_values = cache.shared_values();
     const auto rope_keys = cache.rope_keys();
     const auto key_rms = cache.key_rms();
-    RowMatrix<T> scores(tile, tile);
-    RowMatrix<T> acc(tile, dh), latent_acc(tile, r);
-    RowVector<T> running_max(tile), normalizer(tile), rescale(tile);
-    for (Index q0 = 0; q0 < length; q0 += tile) {
+    // Query tiles are independent (each keeps its own online-softmax state), so
+    // threads take whole query tiles, each with its own scratch.
+    const Index query_tiles = (length + tile - 1) / tile;
+    detail::parallel_for(query_tiles, threads, [&](Index query_tile) {
+      const Index q0 = query_tile * tile;
+      RowMatrix<T> scores(tile, tile);
+      RowMatrix<T> acc(tile, dh), latent_acc(tile, r);
+      RowVector<T> running_max(tile), normalizer(tile), rescale(tile);
       const Index q_rows = std::min(tile, length - q0);
       const Index key_end = past + q0 + q_rows;  // keys visible to the tile's last row
       for (Index h = 0; h < config_.n_heads; ++h) {
@@ -818,7 +829,7 @@ class LrkvLayer {
         heads.block(q0, h * dh, q_rows, dh) =
             normalizer.head(q_rows).cwiseInverse().asDiagonal() * acc.topRows(q_rows);
       }
-    }
+    });
   }
 
   LrkvConfig config_;

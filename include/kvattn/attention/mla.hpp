@@ -180,25 +180,36 @@ class MlaLayer {
   /// latents and rope keys to the cache and returns the L x d output. `mode` picks the
   /// formulation (see MlaPrefill and docs/mla.md); both are exact, tiled with an online
   /// softmax, and never build an L x L matrix.
+  /// With threads, the large projections are split by output column and the
+  /// attention by head.
   template <class S>
   RowMatrix<T> prefill(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache,
-                       MlaPrefill mode = MlaPrefill::automatic) const {
+                       MlaPrefill mode = MlaPrefill::automatic, Threads threads = {}) const {
     check_cache(cache, "MlaLayer::prefill");
     detail::check_shape("MlaLayer::prefill", "x", x, -1, config_.d_model);
+    const int thread_count = threads.resolved();
     const Index past = cache.tokens();
     const Index length = x.rows();
     RowMatrix<T> query, latent, rope_keys;
-    project(x, past, query, latent, rope_keys);
+    project(x, past, query, latent, rope_keys, thread_count);
     cache.append(latent, rope_keys);  // strong guarantee: on failure nothing changed
     RowMatrix<T> heads(length, config_.n_heads * config_.v_dim);
     if (length > 0) {
       if (prefill_mode(mode, past, length) == MlaPrefill::absorbed) {
-        attend_absorbed_prefill(query, cache, past, heads);
+        attend_absorbed_prefill(query, cache, past, heads, thread_count);
       } else {
-        attend_expanded_prefill(query, cache, past, heads);
+        attend_expanded_prefill(query, cache, past, heads, thread_count);
       }
     }
-    return heads * weights_.w_o;
+    RowMatrix<T> out(length, config_.d_model);
+    detail::parallel_product(heads, weights_.w_o, out, thread_count);
+    return out;
+  }
+
+  /// prefill(x, cache, MlaPrefill::automatic, threads).
+  template <class S>
+  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache, Threads threads) const {
+    return prefill(x, cache, MlaPrefill::automatic, threads);
   }
 
   /// The formulation prefill(x, cache, mode) uses for `length` new tokens after `past`
@@ -241,7 +252,7 @@ class MlaLayer {
     project_token(x, cache.tokens(), ws);
     cache.push_row(ws.latent, ws.rope_key);
     attend_prepared(cache, ws, plan, ws.heads.data(), thread_count);
-    out.noalias() = ws.heads * weights_.w_o;
+    detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
   }
 
   /// Convenience overload returning the 1 x d output (allocates the result).
@@ -312,16 +323,19 @@ class MlaLayer {
   // Queries (rope part rotated), normalized latents and rotated rope keys of x;
   // token i sits at cache index past + i.
   void project(const ConstMatrixRef<T>& x, Index past, RowMatrix<T>& query, RowMatrix<T>& latent,
-               RowMatrix<T>& rope_keys) const {
+               RowMatrix<T>& rope_keys, int threads) const {
     const MlaConfig& c = config_;
+    query.resize(x.rows(), c.query_width());
     if (c.q_rank > 0) {
-      RowMatrix<T> q_latent = x * weights_.w_dq;
+      RowMatrix<T> q_latent(x.rows(), c.q_rank);
+      detail::parallel_product(x, weights_.w_dq, q_latent, threads);
       if (c.q_norm) norm_rows(q_latent, weights_.q_norm_gain);
-      query.noalias() = q_latent * weights_.w_uq;
+      detail::parallel_product(q_latent, weights_.w_uq, query, threads);
     } else {
-      query.noalias() = x * weights_.w_q;
+      detail::parallel_product(x, weights_.w_q, query, threads);
     }
-    latent.noalias() = x * weights_.w_dkv;
+    latent.resize(x.rows(), c.kv_rank);
+    detail::parallel_product(x, weights_.w_dkv, latent, threads);
     if (c.kv_norm) norm_rows(latent, weights_.kv_norm_gain);
     rope_keys.noalias() = x * weights_.w_kr;
     for (Index i = 0; i < x.rows(); ++i) {
@@ -432,7 +446,7 @@ class MlaLayer {
   // causal attention. Compute-friendly: big matrix products, width d_nope + d_R.
   template <class S>
   void attend_expanded_prefill(const RowMatrix<T>& query, const MlaCache<T, S>& cache, Index past,
-                               RowMatrix<T>& heads) const {
+                               RowMatrix<T>& heads, int threads) const {
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
     const Index dn = c.qk_nope_dim;
@@ -440,15 +454,15 @@ class MlaLayer {
     const Index qd = c.qk_head_dim();
     const RowMatrix<T> rows = cache.rows().template cast<T>();
     const auto latent = rows.leftCols(dc);
-    RowMatrix<T> key(rows.rows(), qd);
-    RowMatrix<T> value(rows.rows(), c.v_dim);
-    key.rightCols(dr) = rows.rightCols(dr);
-    for (Index h = 0; h < c.n_heads; ++h) {
+    detail::parallel_for(c.n_heads, threads, [&](Index h) {
+      RowMatrix<T> key(rows.rows(), qd);
+      RowMatrix<T> value(rows.rows(), c.v_dim);
+      key.rightCols(dr) = rows.rightCols(dr);
       key.leftCols(dn).noalias() = latent * weights_.w_uk.middleCols(h * dn, dn);
       value.noalias() = latent * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
       detail::causal_attention<T>(query.middleCols(h * qd, qd), key, value, past, scale_,
                                   heads.middleCols(h * c.v_dim, c.v_dim));
-    }
+    });
   }
 
   // Absorbed prefill: per head, queries [q_h^nope W_UK_h^T | q_h^R] against the cached
@@ -456,7 +470,7 @@ class MlaLayer {
   // attend to a long cache.
   template <class S>
   void attend_absorbed_prefill(const RowMatrix<T>& query, const MlaCache<T, S>& cache, Index past,
-                               RowMatrix<T>& heads) const {
+                               RowMatrix<T>& heads, int threads) const {
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
     const Index dn = c.qk_nope_dim;
@@ -464,16 +478,16 @@ class MlaLayer {
     const Index qd = c.qk_head_dim();
     const Index length = query.rows();
     const RowMatrix<T> rows = cache.rows().template cast<T>();
-    RowMatrix<T> absorbed(length, c.cache_width());
-    RowMatrix<T> latent_out(length, dc);
-    for (Index h = 0; h < c.n_heads; ++h) {
+    detail::parallel_for(c.n_heads, threads, [&](Index h) {
+      RowMatrix<T> absorbed(length, c.cache_width());
+      RowMatrix<T> latent_out(length, dc);
       absorbed.leftCols(dc).noalias() =
           query.middleCols(h * qd, dn) * weights_.w_uk.middleCols(h * dn, dn).transpose();
       absorbed.rightCols(dr) = query.middleCols(h * qd + dn, dr);
       detail::causal_attention<T>(absorbed, rows, rows.leftCols(dc), past, scale_, latent_out);
       heads.middleCols(h * c.v_dim, c.v_dim).noalias() =
           latent_out * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
-    }
+    });
   }
 
   MlaConfig config_;

@@ -3,11 +3,12 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
-#include <vector>
 
+#include "kvattn/cache/aligned_buffer.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
 
@@ -47,12 +48,14 @@ class TokenBuffer {
   /// A copy with room for `capacity` tokens (>= tokens()). May throw; *this is untouched.
   TokenBuffer grown(Index capacity) const {
     const Index per_token = std::max(Index{1}, blocks_ * width_);
-    if (capacity > static_cast<Index>(std::vector<S>().max_size()) / per_token) {
+    constexpr auto max_elements =
+        static_cast<Index>(PTRDIFF_MAX / static_cast<std::ptrdiff_t>(sizeof(S)));
+    if (capacity > max_elements / per_token) {
       throw std::length_error("TokenBuffer: a capacity of " + std::to_string(capacity) +
                               " tokens does not fit in memory");
     }
     TokenBuffer next(blocks_, width_);
-    next.data_.resize(static_cast<std::size_t>(capacity * blocks_ * width_));
+    next.data_ = AlignedBuffer<S>(static_cast<std::size_t>(capacity * blocks_ * width_));
     next.capacity_ = capacity;
     next.tokens_ = tokens_;
     for (Index b = 0; b < blocks_; ++b) {
@@ -102,7 +105,7 @@ class TokenBuffer {
   Index width_ = 0;
   Index tokens_ = 0;
   Index capacity_ = 0;
-  std::vector<S> data_;
+  AlignedBuffer<S> data_;  // 64-byte aligned; huge-page advised when large
 };
 
 namespace detail {

@@ -1,6 +1,8 @@
 // How many threads a layer call may use (OpenMP, optional).
 #pragma once
 
+#include <algorithm>
+#include <exception>
 #include <string>
 
 #include "kvattn/core/errors.hpp"
@@ -55,20 +57,49 @@ inline int thread_index() {
 #endif
 }
 
-/// f(0) ... f(n - 1), spread over `threads` threads (static schedule). f must not
-/// throw: an exception cannot leave an OpenMP region.
+/// f(0) ... f(n - 1), spread over `threads` threads (static schedule). An exception
+/// thrown by f (say std::bad_alloc in a prefill) cannot cross an OpenMP region: the
+/// first one is caught, the remaining iterations still run, and it is rethrown here.
 template <class F>
 void parallel_for(Index n, int threads, F&& f) {
 #ifdef _OPENMP
   if (threads > 1 && n > 1) {
+    std::exception_ptr error;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (Index i = 0; i < n; ++i) f(i);
+    for (Index i = 0; i < n; ++i) {
+      try {
+        f(i);
+      } catch (...) {
+#pragma omp critical(kvattn_parallel_for_error)
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
     return;
   }
 #endif
   (void)threads;
   for (Index i = 0; i < n; ++i) f(i);
 }
+
+/// out = a * b with b's columns split over `threads` threads (Eigen's own products
+/// stay serial under kvattn: EIGEN_DONT_PARALLELIZE). out must be a.rows() x b.cols().
+template <class A, class B, class Out>
+void parallel_product(const A& a, const B& b, Out&& out, int threads) {
+  const Index cols = b.cols();
+  const Index blocks = threads > 1 ? std::min<Index>(threads, std::max<Index>(1, cols / 64)) : 1;
+  if (blocks <= 1) {
+    out.noalias() = a * b;
+    return;
+  }
+  const Index per_block = (cols + blocks - 1) / blocks;
+  parallel_for(blocks, threads, [&](Index k) {
+    const Index first = k * per_block;
+    const Index count = std::min(per_block, cols - first);
+    if (count > 0) out.middleCols(first, count).noalias() = a * b.middleCols(first, count);
+  });
+}
+
 }  // namespace detail
 
 }  // namespace kvattn
