@@ -213,6 +213,20 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
   }
 }
 
+// A sequence that grows across the point where 2 threads start splitting it (a split
+// range needs >= 4 tiles): the workspace is sized for the split at warm-up, so the
+// growing sequence does not allocate either.
+TEST_CASE("Decode allocates nothing as a sequence grows across the thread split", "[alloc]") {
+  const auto layer = GqaLayer<float>::random(mqa_config(64, 8, 64), 6);
+  const auto& c = layer.config();
+  const Index start = 8 * layer.decode_tile() - 10;  // warm-up at start + 1 tokens
+  CHECK(detail::plan_split(1, c.n_heads, c.head_dim, start + 1, layer.decode_tile(), 0, 2).splits ==
+        1);
+  CHECK(detail::plan_split(1, c.n_heads, c.head_dim, start + kSteps + 1, layer.decode_tile(), 0, 2)
+            .splits == 2);
+  check_no_allocation<float>(layer, Threads{2}, start);
+}
+
 TEST_CASE("The allocation counters of this binary do fire", "[alloc]") {
   const auto by_new = count_all([] {
     void* volatile p = ::operator new(16);

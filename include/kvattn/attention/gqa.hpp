@@ -225,6 +225,13 @@ class GqaLayer {
     attend_prepared(cache, ws, plan, heads.data());
   }
 
+  /// Tokens per tile of the decode pass: about 128 KiB of keys and values, so a tile
+  /// read from memory stays in L2 while the group's heads are scored and accumulated.
+  Index decode_tile() const {
+    const Index row_bytes = 2 * config_.head_dim * static_cast<Index>(sizeof(T));
+    return std::clamp<Index>((Index{128} * 1024 / row_bytes) / 8 * 8, 8, 1024);
+  }
+
  private:
   template <class S>
   void check_cache(const GqaCache<T, S>& cache, const char* where) const {
@@ -256,23 +263,16 @@ class GqaLayer {
     }
   }
 
-  // Tokens per tile: about 64 KiB of keys and values, so a tile read from memory
-  // stays in L1/L2 while the group's heads are scored and accumulated against it.
-  Index decode_tile() const {
-    const Index row_bytes = 2 * config_.head_dim * static_cast<Index>(sizeof(T));
-    return std::clamp<Index>((Index{64} * 1024 / row_bytes) / 8 * 8, 8, 256);
-  }
-
   // Sizes the workspace for a step over `length` tokens; may allocate and throw.
   template <class Workspace>
   detail::SplitPlan prepare(Workspace& ws, Index length, int threads) const {
     const Index q_width = config_.n_heads * config_.head_dim;
     const Index kv_width = config_.n_kv_heads * config_.head_dim;
-    if (ws.query.cols() != q_width) ws.query.resize(q_width);
-    if (ws.query_transposed.cols() != q_width) ws.query_transposed.resize(q_width);
-    if (ws.heads.cols() != q_width) ws.heads.resize(q_width);
-    if (ws.key.cols() != kv_width) ws.key.resize(kv_width);
-    if (ws.value.cols() != kv_width) ws.value.resize(kv_width);
+    detail::reshape(ws.query, q_width);
+    detail::reshape(ws.query_transposed, q_width);
+    detail::reshape(ws.heads, q_width);
+    detail::reshape(ws.key, kv_width);
+    detail::reshape(ws.value, kv_width);
     const Index tile = decode_tile();
     const Index buffer_width = 0;
     const auto plan = detail::plan_split(config_.n_kv_heads, config_.group_size(), config_.head_dim,
@@ -294,6 +294,11 @@ class GqaLayer {
     void score(Index group, Index first, Index n, T* logits, T* /*buffer*/) const {
       const T* qt =
           query_transposed != nullptr ? query_transposed + group * group_size * head_dim : nullptr;
+      const Index ahead = std::min(n, cache.tokens() - first - n);
+      if (ahead > 0) {  // the next tile's keys and values, while this one computes
+        detail::prefetch_rows(cache.key_row(group, first + n), head_dim, ahead, head_dim);
+        detail::prefetch_rows(cache.value_row(group, first + n), head_dim, ahead, head_dim);
+      }
       detail::score(query + group * group_size * head_dim, qt, group_size, head_dim,
                     cache.key_row(group, first), head_dim, n, logits, group_size, false);
     }

@@ -620,9 +620,7 @@ class LrkvLayer {
     const Index H = config_.n_heads;
     const Index dh = config_.head_dim;
     const Index hr = H * config_.rank;
-    auto fit = [](RowVector<T>& v, Index n) {
-      if (v.cols() != n) v.resize(n);
-    };
+    auto fit = [](RowVector<T>& v, Index n) { detail::reshape(v, n); };
     fit(ws.query, H * dh);
     fit(ws.query_transposed, H * dh);
     fit(ws.query_latent, hr);
@@ -632,9 +630,7 @@ class LrkvLayer {
     fit(ws.rms, config_.key_norm ? H : 0);
     fit(ws.scratch, dh);
     fit(ws.heads, H * dh);
-    if (ws.acc.rows() != H || ws.acc.cols() != dh + config_.rank) {
-      ws.acc.resize(H, dh + config_.rank);
-    }
+    detail::reshape(ws.acc, H, dh + config_.rank);
     const auto plan = detail::plan_split(1, H, dh + config_.rank, length, kDecodeTile, 0, threads);
     ws.split.fit(plan);
     return plan;
@@ -654,6 +650,11 @@ class LrkvLayer {
 
     void score(Index, Index first, Index n, T* logits, T*) const {
       const S* rows = cache.key_row(first);
+      const Index ahead = std::min(n, cache.tokens() - first - n);
+      if (ahead > 0) {  // the next tile's rows, while this one computes
+        detail::prefetch_rows(cache.key_row(first + n), key_width, ahead, key_width);
+        detail::prefetch_rows(cache.value_row(first + n), value_width, ahead, value_width);
+      }
       detail::score(query, query_transposed, heads, head_dim, rows, key_width, n, logits, heads,
                     false);
       for (Index h = 0; h < heads && rank > 0; ++h) {

@@ -372,12 +372,8 @@ class MlaLayer {
   template <class Workspace>
   detail::SplitPlan prepare(Workspace& ws, Index length, int threads) const {
     const MlaConfig& c = config_;
-    auto fit_row = [](RowVector<T>& v, Index n) {
-      if (v.cols() != n) v.resize(n);
-    };
-    auto fit = [](RowMatrix<T>& m, Index rows, Index cols) {
-      if (m.rows() != rows || m.cols() != cols) m.resize(rows, cols);
-    };
+    auto fit_row = [](RowVector<T>& v, Index n) { detail::reshape(v, n); };
+    auto fit = [](RowMatrix<T>& m, Index rows, Index cols) { detail::reshape(m, rows, cols); };
     fit_row(ws.q_latent, c.q_rank);
     fit_row(ws.query, c.query_width());
     fit_row(ws.latent, c.kv_rank);
@@ -404,6 +400,8 @@ class MlaLayer {
     Index width;  // d_c + d_R
 
     void score(Index, Index first, Index n, T* logits, T*) const {
+      const Index ahead = std::min(n, cache.tokens() - first - n);
+      if (ahead > 0) detail::prefetch_rows(cache.row_data(first + n), width, ahead, width);
       detail::score(absorbed, absorbed_transposed, heads, width, cache.row_data(first), width, n,
                     logits, heads, false);
     }

@@ -37,4 +37,23 @@ using ConstRowRef = Eigen::Ref<const RowVector<T>>;
 template <class T>
 using RowRef = Eigen::Ref<RowVector<T>>;
 
+namespace detail {
+
+/// Gives m the shape rows x cols (contents unspecified) with the strong guarantee:
+/// Eigen's resize frees the old buffer before allocating the new one, so a failed
+/// allocation there would leave m dangling; here the new buffer is made first.
+template <class Matrix>
+void reshape(Matrix& m, Index rows, Index cols) {
+  if (m.rows() == rows && m.cols() == cols) return;
+  Matrix next(rows, cols);
+  m.swap(next);
+}
+
+/// reshape for a row vector: 1 x n.
+template <class Vector>
+void reshape(Vector& v, Index n) {
+  reshape(v, 1, n);
+}
+
+}  // namespace detail
 }  // namespace kvattn

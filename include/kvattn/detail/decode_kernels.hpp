@@ -46,6 +46,23 @@ inline constexpr Index packet_size = ei::unpacket_traits<Packet<T>>::size;
 /// vector registers: 16 (SSE, AVX2, NEON-32) or 32 (AVX-512, NEON-64).
 inline constexpr bool many_registers = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
 
+/// Asks for `count` rows of `row_bytes` bytes, `row_stride` elements apart, to be
+/// brought into cache ahead of use: the decode driver touches the next tile while it
+/// computes on this one, so the memory system always has a stream of requests in
+/// flight (the hardware prefetcher alone stalls on the tile's access pattern).
+template <class S>
+inline void prefetch_rows(const S* rows, Index row_stride, Index count, Index row_elements) {
+#if defined(__GNUC__) || defined(__clang__)
+  const Index row_bytes = row_elements * static_cast<Index>(sizeof(S));
+  for (Index t = 0; t < count; ++t) {
+    const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
+    for (Index b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
+#else
+  (void)rows, (void)row_stride, (void)count, (void)row_elements;
+#endif
+}
+
 /// P consecutive elements of storage type S as one packet of T.
 template <class T, class S>
 inline Packet<T> load_widened(const S* from) {
@@ -54,12 +71,12 @@ inline Packet<T> load_widened(const S* from) {
   } else {
 #if defined(EIGEN_VECTORIZE_AVX512)
     if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
-                  std::is_same_v<Packet<T>, ei::Packet16f>) {
+                  packet_size<T> == 16) {
       return ei::pcast<ei::Packet16bf, ei::Packet16f>(ei::ploadu<ei::Packet16bf>(from));
     }
 #elif defined(EIGEN_VECTORIZE_AVX)
     if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
-                  std::is_same_v<Packet<T>, ei::Packet8f>) {
+                  packet_size<T> == 8) {
       return ei::pcast<ei::Packet8bf, ei::Packet8f>(ei::ploadu<ei::Packet8bf>(from));
     }
 #endif
@@ -73,60 +90,61 @@ inline Packet<T> load_widened(const S* from) {
 /// logits[t * w_stride + i] (+)= q_i . k_t for i < G, t < n (q: G x dk rows of stride
 /// q_stride; k_t = rows + t * row_stride). With `add`, the logits are added to.
 ///
-/// Tokens are visited in order and each key row is read front to back, so a tile
-/// streams from memory as one sequence (what the hardware prefetcher follows best);
-/// two accumulators per query row, and the out-of-order core overlaps tokens.
+/// B adjacent tokens x M query rows are in flight (one accumulator chain each), so
+/// each loaded query packet serves B tokens and each key packet M queries; the B rows
+/// are contiguous in memory, so the tile still streams front to back.
 template <class T, class S>
 void score_dot(const T* q, Index q_stride, Index G, Index dk, const S* rows, Index row_stride,
                Index n, T* logits, Index w_stride, bool add) {
   constexpr Index P = packet_size<T>;
   const Index full = dk / P * P;
-  const Index pairs = dk / (2 * P) * (2 * P);
-  auto block = [&]<int M>(Index i0) {
-    for (Index t = 0; t < n; ++t) {
-      const S* k = rows + t * row_stride;
-      Packet<T> acc[M][2];
+  auto block = [&]<int M, int B>(Index i0, Index t0) {
+    Packet<T> acc[B][M];
+    KVATTN_UNROLL
+    for (int b = 0; b < B; ++b) {
       KVATTN_UNROLL
-      for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = ei::pset1<Packet<T>>(T(0));
-      Index j = 0;
-      for (; j < pairs; j += 2 * P) {
-        const Packet<T> k0 = load_widened<T>(k + j);
-        const Packet<T> k1 = load_widened<T>(k + j + P);
+      for (int m = 0; m < M; ++m) acc[b][m] = ei::pset1<Packet<T>>(T(0));
+    }
+    for (Index j = 0; j < full; j += P) {
+      Packet<T> qp[M];
+      KVATTN_UNROLL
+      for (int m = 0; m < M; ++m) qp[m] = ei::ploadu<Packet<T>>(q + (i0 + m) * q_stride + j);
+      KVATTN_UNROLL
+      for (int b = 0; b < B; ++b) {
+        const Packet<T> kp = load_widened<T>(rows + (t0 + b) * row_stride + j);
         KVATTN_UNROLL
-        for (int m = 0; m < M; ++m) {
-          const T* qi = q + (i0 + m) * q_stride + j;
-          acc[m][0] = ei::pmadd(ei::ploadu<Packet<T>>(qi), k0, acc[m][0]);
-          acc[m][1] = ei::pmadd(ei::ploadu<Packet<T>>(qi + P), k1, acc[m][1]);
-        }
+        for (int m = 0; m < M; ++m) acc[b][m] = ei::pmadd(qp[m], kp, acc[b][m]);
       }
-      for (; j < full; j += P) {
-        const Packet<T> k0 = load_widened<T>(k + j);
-        KVATTN_UNROLL
-        for (int m = 0; m < M; ++m) {
-          acc[m][0] = ei::pmadd(ei::ploadu<Packet<T>>(q + (i0 + m) * q_stride + j), k0, acc[m][0]);
-        }
-      }
+    }
+    KVATTN_UNROLL
+    for (int b = 0; b < B; ++b) {
+      const S* k = rows + (t0 + b) * row_stride;
       KVATTN_UNROLL
       for (int m = 0; m < M; ++m) {
         const T* qi = q + (i0 + m) * q_stride;
-        T s = ei::predux(ei::padd(acc[m][0], acc[m][1]));
+        T s = ei::predux(acc[b][m]);
         for (Index jj = full; jj < dk; ++jj) s += qi[jj] * static_cast<T>(k[jj]);
-        T& out = logits[t * w_stride + i0 + m];
+        T& out = logits[(t0 + b) * w_stride + i0 + m];
         out = add ? out + s : s;
       }
     }
   };
+  auto run_rows = [&]<int M, int B>(Index i0) {
+    Index t0 = 0;
+    for (; t0 + B <= n; t0 += B) block.template operator()<M, B>(i0, t0);
+    for (; t0 < n; ++t0) block.template operator()<M, 1>(i0, t0);
+  };
   Index i0 = 0;
-  for (; i0 + 4 <= G; i0 += 4) block.template operator()<4>(i0);
+  for (; i0 + 4 <= G; i0 += 4) run_rows.template operator()<4, 2>(i0);
   switch (G - i0) {
     case 3:
-      block.template operator()<3>(i0);
+      run_rows.template operator()<3, 2>(i0);
       break;
     case 2:
-      block.template operator()<2>(i0);
+      run_rows.template operator()<2, 4>(i0);
       break;
     case 1:
-      block.template operator()<1>(i0);
+      run_rows.template operator()<1, 4>(i0);
       break;
     default:
       break;
@@ -184,52 +202,67 @@ void score_broadcast(const T* qt, Index G, Index dk, const S* rows, Index row_st
   for (; i0 + P <= G; i0 += P) run_rows.template operator()<1, 8>(i0);
 }
 
-/// acc_i += sum_t w[t * w_stride + i] v_t for a few query rows, visiting each
-/// value row once, front to back (streaming order; acc stays in L1).
+/// acc_i += sum_t w[t * w_stride + i] v_t for G <= 4 query rows, visiting the value
+/// rows in order, two at a time (streaming order; acc stays in L1). Each loaded value
+/// packet serves every query row, and the weights of the two tokens stay in registers.
 template <class T, class S>
 void accumulate_streaming(const T* w, Index w_stride, Index G, const S* rows, Index row_stride,
                           Index dv, Index n, T* acc, Index acc_stride) {
   constexpr Index P = packet_size<T>;
   const Index full = dv / P * P;
-  Index t = 0;
-  // Four tokens per pass over acc: a quarter of the load/store round trips on acc,
-  // and the four rows are adjacent in memory, so the stream stays sequential.
-  for (; t + 4 <= n; t += 4) {
-    const S* v0 = rows + t * row_stride;
-    const S* v1 = v0 + row_stride;
-    const S* v2 = v1 + row_stride;
-    const S* v3 = v2 + row_stride;
-    for (Index i = 0; i < G; ++i) {
-      const T* wt = w + t * w_stride + i;
-      const Packet<T> w0 = ei::pset1<Packet<T>>(wt[0]);
-      const Packet<T> w1 = ei::pset1<Packet<T>>(wt[w_stride]);
-      const Packet<T> w2 = ei::pset1<Packet<T>>(wt[2 * w_stride]);
-      const Packet<T> w3 = ei::pset1<Packet<T>>(wt[3 * w_stride]);
-      T* a = acc + i * acc_stride;
+  auto run = [&]<int M>() {
+    Index t = 0;
+    for (; t + 2 <= n; t += 2) {
+      const S* v0 = rows + t * row_stride;
+      const S* v1 = v0 + row_stride;
+      Packet<T> w0[M], w1[M];
+      KVATTN_UNROLL
+      for (int m = 0; m < M; ++m) {
+        w0[m] = ei::pset1<Packet<T>>(w[t * w_stride + m]);
+        w1[m] = ei::pset1<Packet<T>>(w[(t + 1) * w_stride + m]);
+      }
       for (Index j = 0; j < full; j += P) {
-        Packet<T> sum01 = ei::pmul(w0, load_widened<T>(v0 + j));
-        Packet<T> sum23 = ei::pmul(w2, load_widened<T>(v2 + j));
-        sum01 = ei::pmadd(w1, load_widened<T>(v1 + j), sum01);
-        sum23 = ei::pmadd(w3, load_widened<T>(v3 + j), sum23);
-        ei::pstoreu(a + j, ei::padd(ei::ploadu<Packet<T>>(a + j), ei::padd(sum01, sum23)));
+        const Packet<T> a0 = load_widened<T>(v0 + j);
+        const Packet<T> a1 = load_widened<T>(v1 + j);
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) {
+          T* a = acc + m * acc_stride + j;
+          ei::pstoreu(a, ei::pmadd(w1[m], a1, ei::pmadd(w0[m], a0, ei::ploadu<Packet<T>>(a))));
+        }
       }
       for (Index j = full; j < dv; ++j) {
-        a[j] += wt[0] * static_cast<T>(v0[j]) + wt[w_stride] * static_cast<T>(v1[j]) +
-                wt[2 * w_stride] * static_cast<T>(v2[j]) + wt[3 * w_stride] * static_cast<T>(v3[j]);
+        for (int m = 0; m < M; ++m) {
+          acc[m * acc_stride + j] += w[t * w_stride + m] * static_cast<T>(v0[j]) +
+                                     w[(t + 1) * w_stride + m] * static_cast<T>(v1[j]);
+        }
       }
     }
-  }
-  for (; t < n; ++t) {
-    const S* v = rows + t * row_stride;
-    for (Index i = 0; i < G; ++i) {
-      const T weight = w[t * w_stride + i];
-      const Packet<T> wp = ei::pset1<Packet<T>>(weight);
-      T* a = acc + i * acc_stride;
-      for (Index j = 0; j < full; j += P) {
-        ei::pstoreu(a + j, ei::pmadd(wp, load_widened<T>(v + j), ei::ploadu<Packet<T>>(a + j)));
+    for (; t < n; ++t) {
+      const S* v = rows + t * row_stride;
+      for (int m = 0; m < M; ++m) {
+        const T weight = w[t * w_stride + m];
+        const Packet<T> wp = ei::pset1<Packet<T>>(weight);
+        T* a = acc + m * acc_stride;
+        for (Index j = 0; j < full; j += P) {
+          ei::pstoreu(a + j, ei::pmadd(wp, load_widened<T>(v + j), ei::ploadu<Packet<T>>(a + j)));
+        }
+        for (Index j = full; j < dv; ++j) a[j] += weight * static_cast<T>(v[j]);
       }
-      for (Index j = full; j < dv; ++j) a[j] += weight * static_cast<T>(v[j]);
     }
+  };
+  switch (G) {
+    case 4:
+      run.template operator()<4>();
+      break;
+    case 3:
+      run.template operator()<3>();
+      break;
+    case 2:
+      run.template operator()<2>();
+      break;
+    default:
+      run.template operator()<1>();
+      break;
   }
 }
 

@@ -35,6 +35,10 @@ struct SplitPlan {
   Index buffer_width = 0;  // per-thread buffer scalars per tile token (0: none)
   Index splits = 1;        // sequence ranges per group
   int threads = 1;         // threads of the parallel region
+  // What the scratch is sized for: the most splits and threads this thread count can
+  // ever use, whatever the length, so a growing sequence never reallocates.
+  Index max_splits = 1;
+  int max_threads = 1;
 
   Index units() const { return groups * splits; }
 };
@@ -45,10 +49,11 @@ inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index len
                             Index buffer_width, int threads) {
   SplitPlan plan{groups, rows, acc_width, length, tile, buffer_width, 1, std::max(threads, 1)};
   if (plan.threads > 1 && groups < plan.threads) {
-    const Index wanted = (plan.threads + groups - 1) / groups;
+    plan.max_splits = (plan.threads + groups - 1) / groups;
     const Index by_length = std::max<Index>(1, length / (4 * tile));
-    plan.splits = std::min(wanted, by_length);
+    plan.splits = std::min(plan.max_splits, by_length);
   }
+  plan.max_threads = plan.threads;
   plan.threads = static_cast<int>(std::min<Index>(plan.threads, plan.units()));
   return plan;
 }
@@ -65,18 +70,19 @@ struct SplitScratch {
   RowVector<T> tile_max;  // threads*rows  a tile's maximum, then its shift
 
   void fit(const SplitPlan& p) {
-    const Index threads = p.threads;
+    const Index threads = p.max_threads;
+    const Index slots = p.groups * p.max_splits * p.rows;
     grow(scores, threads * p.rows, p.tile);
     grow(buffer, threads * p.tile, p.buffer_width);
-    grow(acc, p.units() * p.rows, p.acc_width);
-    if (max.cols() < p.units() * p.rows) max.resize(p.units() * p.rows);
-    if (sum.cols() < p.units() * p.rows) sum.resize(p.units() * p.rows);
-    if (tile_max.cols() < threads * p.rows) tile_max.resize(threads * p.rows);
+    grow(acc, slots, p.acc_width);
+    if (max.cols() < slots) reshape(max, slots);
+    if (sum.cols() < slots) reshape(sum, slots);
+    if (tile_max.cols() < threads * p.rows) reshape(tile_max, threads * p.rows);
   }
 
  private:
   static void grow(RowMatrix<T>& m, Index rows, Index cols) {
-    if (m.rows() < rows || m.cols() != cols) m.resize(std::max(rows, m.rows()), cols);
+    if (m.rows() < rows || m.cols() != cols) reshape(m, std::max(rows, m.rows()), cols);
   }
 };
 
