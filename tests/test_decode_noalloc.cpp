@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "attend_util.hpp"
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/lrkv.hpp"
 #include "kvattn/attention/mla.hpp"
@@ -78,6 +79,8 @@ constexpr bool kCountsMalloc = false;
 #endif
 
 using namespace kvattn;
+using kvattn::test::heads_width;
+using kvattn::test::query_width;
 using kvattn::test::random_input;
 
 namespace {
@@ -119,13 +122,6 @@ void fill_random(LrkvCache<float, S>& cache, Index n, std::uint64_t seed) {
                 random_input<float>(n, hr, seed + 3),
                 random_input<float>(n, c.decoupled_dim(), seed + 4), rms});
 }
-
-Index query_width(const GqaConfig& c) { return c.n_heads * c.head_dim; }
-Index query_width(const MlaConfig& c) { return c.query_width(); }
-Index query_width(const LrkvConfig& c) { return c.n_heads * (c.head_dim + c.decoupled_dim()); }
-Index heads_width(const GqaConfig& c) { return c.n_heads * c.head_dim; }
-Index heads_width(const MlaConfig& c) { return c.n_heads * c.v_dim; }
-Index heads_width(const LrkvConfig& c) { return c.n_heads * c.head_dim; }
 
 constexpr Index kSteps = 20;
 

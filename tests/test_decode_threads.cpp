@@ -15,6 +15,7 @@
 #include <limits>
 #include <random>
 
+#include "attend_util.hpp"
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/lrkv.hpp"
 #include "kvattn/attention/mla.hpp"
@@ -25,8 +26,12 @@
 #include "test_util.hpp"
 
 using namespace kvattn;
+using kvattn::test::heads_width;
+using kvattn::test::project_query;
+using kvattn::test::query_width;
 using kvattn::test::random_input;
 using kvattn::test::relative_error;
+using kvattn::test::to_double;
 
 namespace {
 
@@ -121,51 +126,9 @@ LrkvCache<double> widen(const LrkvCache<float, S>& cache) {
   return wide;
 }
 
-// Widths of attend's query and heads arguments.
-Index query_width(const GqaConfig& c) { return c.n_heads * c.head_dim; }
-Index query_width(const MlaConfig& c) { return c.query_width(); }
-Index query_width(const LrkvConfig& c) { return c.n_heads * (c.head_dim + c.decoupled_dim()); }
-Index heads_width(const GqaConfig& c) { return c.n_heads * c.head_dim; }
-Index heads_width(const MlaConfig& c) { return c.n_heads * c.v_dim; }
-Index heads_width(const LrkvConfig& c) { return c.n_heads * c.head_dim; }
 Index head_dim_out(const GqaConfig& c) { return c.head_dim; }
 Index head_dim_out(const MlaConfig& c) { return c.v_dim; }
 Index head_dim_out(const LrkvConfig& c) { return c.head_dim; }
-
-// The projected query of x (before RoPE), computed in double, in attend's layout.
-MatD project_query(const GqaLayer<double>& layer, const MatD& x) {
-  MatD q = x * layer.weights().w_q;
-  if (layer.config().qkv_bias) q += layer.weights().b_q;
-  return q;
-}
-
-MatD project_query(const MlaLayer<double>& layer, const MatD& x) {
-  const MlaConfig& c = layer.config();
-  const MlaWeights<double>& w = layer.weights();
-  if (c.q_rank == 0) return x * w.w_q;
-  MatD c_q = x * w.w_dq;
-  if (c.q_norm) rms_norm_inplace(c_q.data(), c.q_rank, w.q_norm_gain.data(), c.norm_epsilon);
-  return c_q * w.w_uq;
-}
-
-MatD project_query(const LrkvLayer<double>& layer, const MatD& x) {
-  const LrkvConfig& c = layer.config();
-  MatD q(1, query_width(c));
-  q.leftCols(c.n_heads * c.head_dim) = x * layer.weights().w_q;
-  q.rightCols(c.n_heads * c.decoupled_dim()) = x * layer.weights().w_qr;
-  return q;
-}
-
-// The same layer computing in double (weights widened exactly).
-GqaLayer<double> to_double(const GqaLayer<float>& layer) {
-  return {layer.config(), layer.weights().template cast<double>()};
-}
-MlaLayer<double> to_double(const MlaLayer<float>& layer) {
-  return {layer.config(), layer.weights().template cast<double>()};
-}
-LrkvLayer<double> to_double(const LrkvLayer<float>& layer) {
-  return {layer.config(), layer.weights().template cast<double>()};
-}
 
 // attend and decode at every thread count against the double reference, on a cache of
 // `length` random tokens (attend: the newest of them; decode: one more token).

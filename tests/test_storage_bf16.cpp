@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attend_util.hpp"
 #include "kvattn/analysis/cache_size.hpp"
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/lrkv.hpp"
@@ -29,8 +30,12 @@
 #include "test_util.hpp"
 
 using namespace kvattn;
+using kvattn::test::heads_width;
+using kvattn::test::project_query;
+using kvattn::test::query_width;
 using kvattn::test::random_input;
 using kvattn::test::relative_error;
+using kvattn::test::to_double;
 namespace an = kvattn::analysis;
 
 namespace {
@@ -70,37 +75,6 @@ constexpr an::Dtype dtype_of_storage() {
 
 // ---- Per mechanism: the projected query of x (double), the stored rows read back in
 // double, appending rows to a cache, and the layer in double.
-
-GqaLayer<double> to_double(const GqaLayer<float>& layer) {
-  return {layer.config(), layer.weights().template cast<double>()};
-}
-MlaLayer<double> to_double(const MlaLayer<float>& layer) {
-  return {layer.config(), layer.weights().template cast<double>()};
-}
-LrkvLayer<double> to_double(const LrkvLayer<float>& layer) {
-  return {layer.config(), layer.weights().template cast<double>()};
-}
-
-MatD project_query(const GqaLayer<double>& layer, const MatD& x) {
-  MatD q = x * layer.weights().w_q;
-  if (layer.config().qkv_bias) q += layer.weights().b_q;
-  return q;
-}
-MatD project_query(const MlaLayer<double>& layer, const MatD& x) {
-  const MlaConfig& c = layer.config();
-  const MlaWeights<double>& w = layer.weights();
-  if (c.q_rank == 0) return x * w.w_q;
-  MatD c_q = x * w.w_dq;
-  if (c.q_norm) rms_norm_inplace(c_q.data(), c.q_rank, w.q_norm_gain.data(), c.norm_epsilon);
-  return c_q * w.w_uq;
-}
-MatD project_query(const LrkvLayer<double>& layer, const MatD& x) {
-  const LrkvConfig& c = layer.config();
-  MatD q(1, c.n_heads * (c.head_dim + c.decoupled_dim()));
-  q.leftCols(c.n_heads * c.head_dim) = x * layer.weights().w_q;
-  q.rightCols(c.n_heads * c.decoupled_dim()) = x * layer.weights().w_qr;
-  return q;
-}
 
 // The raw random rows of one cache fill, in float, in each mechanism's append layout.
 struct Rows {
@@ -202,12 +176,6 @@ auto double_cache(const DLayer& dlayer, const Rows& rows) {
   return cache;
 }
 
-Index heads_width(const GqaConfig& c) { return c.n_heads * c.head_dim; }
-Index heads_width(const MlaConfig& c) { return c.n_heads * c.v_dim; }
-Index heads_width(const LrkvConfig& c) { return c.n_heads * c.head_dim; }
-Index query_width(const GqaConfig& c) { return c.n_heads * c.head_dim; }
-Index query_width(const MlaConfig& c) { return c.query_width(); }
-Index query_width(const LrkvConfig& c) { return c.n_heads * (c.head_dim + c.decoupled_dim()); }
 Index norm_scalars(const GqaConfig&) { return 0; }
 Index norm_scalars(const MlaConfig&) { return 0; }
 Index norm_scalars(const LrkvConfig& c) { return c.key_norm ? c.n_heads : 0; }
