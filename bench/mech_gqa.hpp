@@ -58,9 +58,9 @@ struct GqaMech {
     set.add_dense(w.w_k);
     set.add_dense(w.w_v);
     set.add_dense(w.w_o);
-    set.add_dense(w.b_q);
-    set.add_dense(w.b_k);
-    set.add_dense(w.b_v);
+    set.add_dense(w.bias_q);
+    set.add_dense(w.bias_k);
+    set.add_dense(w.bias_v);
   }
 
   // Per query head and cached token: q.k (d_h multiply-adds) and a * v (d_h

@@ -72,8 +72,8 @@ struct LrkvMech {
   }
   /// The factored step reads B^K (q~_h = q_h B_h^K) and B^V (o_h += (a_h R_h^V) B_h^V^T).
   void add_attend_weights(ReadSet& set, const Layer& layer) const {
-    set.add_dense(layer.weights().b_k);
-    set.add_dense(layer.weights().b_v);
+    set.add_dense(layer.weights().basis_k);
+    set.add_dense(layer.weights().basis_v);
   }
   void add_layer_weights(ReadSet& set, const Layer& layer) const {
     const auto& w = layer.weights();
@@ -82,8 +82,8 @@ struct LrkvMech {
     set.add_dense(w.w_v_shared);
     set.add_dense(w.u_k);
     set.add_dense(w.u_v);
-    set.add_dense(w.b_k);
-    set.add_dense(w.b_v);
+    set.add_dense(w.basis_k);
+    set.add_dense(w.basis_v);
     set.add_dense(w.w_o);
     set.add_dense(w.w_qr);
     set.add_dense(w.w_kr);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kvattn/kvattn.hpp"
+#include "kvattn/reference/gqa.hpp"
 
 using namespace kvattn;
 
@@ -47,7 +48,7 @@ int main() {
   constexpr Index n = 10;
   print_grid("Causal mask, 10 tokens", Mask::causal(), n);
   print_grid("Bidirectional mask, 10 tokens", Mask::bidirectional(), n);
-  std::printf("causal_visible_fraction(10) = %.2f\n\n", causal_visible_fraction(n));
+  std::printf("causal_visible_fraction(10) = %.2f\n\n", analysis::causal_visible_fraction(n));
 
   // 2. One random document: 10 tokens of width 32 through one bidirectional MHA layer,
   //    then each pooling rule's weight per token.
@@ -55,7 +56,7 @@ int main() {
   const auto encoder = GqaLayer<double>::random(mha_config(d, 4, 8), 1);
   std::mt19937_64 rng(2024);
   const RowMatrix<double> tokens = random_normal<double>(n, d, rng);
-  const RowMatrix<double> hidden = encode(encoder, tokens);
+  const RowMatrix<double> hidden = reference::forward(encoder, tokens, Mask::bidirectional());
   const auto pooler = LatentPooling<double>::random({d, 16, 4, 0, true, 0.0}, 7);
   const RowVector<double> eos = last_token_weights<double>(hidden);
   const RowVector<double> mean = mean_pool_weights<double>(hidden);

@@ -12,9 +12,7 @@ namespace kvattn::test {
 // Widths of attend's query and heads arguments (docs/api.md, "The decode step").
 inline Index query_width(const GqaConfig& c) { return c.n_heads * c.head_dim; }
 inline Index query_width(const MlaConfig& c) { return c.query_width(); }
-inline Index query_width(const LrkvConfig& c) {
-  return c.n_heads * (c.head_dim + c.decoupled_dim());
-}
+inline Index query_width(const LrkvConfig& c) { return c.query_width(); }
 inline Index heads_width(const GqaConfig& c) { return c.n_heads * c.head_dim; }
 inline Index heads_width(const MlaConfig& c) { return c.n_heads * c.v_dim; }
 inline Index heads_width(const LrkvConfig& c) { return c.n_heads * c.head_dim; }
@@ -22,7 +20,7 @@ inline Index heads_width(const LrkvConfig& c) { return c.n_heads * c.head_dim; }
 // The projected query of x (1 x d, before RoPE), computed in double, in attend's layout.
 inline RowMatrix<double> project_query(const GqaLayer<double>& layer, const RowMatrix<double>& x) {
   RowMatrix<double> q = x * layer.weights().w_q;
-  if (layer.config().qkv_bias) q += layer.weights().b_q;
+  if (layer.config().qkv_bias) q += layer.weights().bias_q;
   return q;
 }
 inline RowMatrix<double> project_query(const MlaLayer<double>& layer, const RowMatrix<double>& x) {
@@ -35,9 +33,15 @@ inline RowMatrix<double> project_query(const MlaLayer<double>& layer, const RowM
 }
 inline RowMatrix<double> project_query(const LrkvLayer<double>& layer, const RowMatrix<double>& x) {
   const LrkvConfig& c = layer.config();
+  // Head h's [x W_Q_h | x W_QR_h] in columns [h*(d_h+d_R), (h+1)*(d_h+d_R)).
+  const Index dh = c.head_dim, dr = c.decoupled_dim();
+  const RowMatrix<double> content = x * layer.weights().w_q;
+  const RowMatrix<double> rope = x * layer.weights().w_qr;
   RowMatrix<double> q(1, query_width(c));
-  q.leftCols(c.n_heads * c.head_dim) = x * layer.weights().w_q;
-  q.rightCols(c.n_heads * c.decoupled_dim()) = x * layer.weights().w_qr;
+  for (Index h = 0; h < c.n_heads; ++h) {
+    q.middleCols(h * (dh + dr), dh) = content.middleCols(h * dh, dh);
+    q.middleCols(h * (dh + dr) + dh, dr) = rope.middleCols(h * dr, dr);
+  }
   return q;
 }
 

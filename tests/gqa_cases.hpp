@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "kvattn/attention/gqa_config.hpp"
+#include "kvattn/config/gqa_config.hpp"
 
 namespace kvattn::test {
 

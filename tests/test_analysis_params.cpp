@@ -34,11 +34,12 @@ TEST_CASE("GQA family parameter counts equal the weights' sizes", "[analysis][gq
                 .qkv_bias = i % 2 == 1};
     CAPTURE(c.d_model, c.n_heads, c.head_dim, c.n_kv_heads, c.qkv_bias);
     const auto w = GqaWeights<float>::random(c, static_cast<std::uint64_t>(i));
-    CHECK(kv_projection_params(c) == w.w_k.size() + w.w_v.size() + w.b_k.size() + w.b_v.size());
-    CHECK(query_params(c) == w.w_q.size() + w.b_q.size());
+    CHECK(kv_projection_params(c) ==
+          w.w_k.size() + w.w_v.size() + w.bias_k.size() + w.bias_v.size());
+    CHECK(query_params(c) == w.w_q.size() + w.bias_q.size());
     CHECK(output_params(c) == w.w_o.size());
     CHECK(attention_params(c) == w.w_q.size() + w.w_k.size() + w.w_v.size() + w.w_o.size() +
-                                     w.b_q.size() + w.b_k.size() + w.b_v.size());
+                                     w.bias_q.size() + w.bias_k.size() + w.bias_v.size());
   }
   // MHA 2 H d d_h, MQA 2 d d_h (no biases), by hand at d 64, H 8, d_h 16.
   CHECK(kv_projection_params(GqaConfig{64, 8, 16, 8}) == 2 * 8 * 64 * 16);
@@ -90,11 +91,11 @@ TEST_CASE("LRKV parameter counts equal the weights' sizes", "[analysis][lrkv]") 
     const auto w = LrkvWeights<float>::random(c, static_cast<std::uint64_t>(i));
     // seed 000, Eq. 10: 2 d d_h + 2 H r (d + d_h), plus W_KR when decoupled.
     CHECK(kv_projection_params(c) == w.w_k_shared.size() + w.w_v_shared.size() + w.u_k.size() +
-                                         w.u_v.size() + w.b_k.size() + w.b_v.size() +
+                                         w.u_v.size() + w.basis_k.size() + w.basis_v.size() +
                                          w.w_kr.size());
     CHECK(attention_params(c) == w.w_q.size() + w.w_k_shared.size() + w.w_v_shared.size() +
-                                     w.u_k.size() + w.u_v.size() + w.b_k.size() + w.b_v.size() +
-                                     w.w_o.size() + w.w_qr.size() + w.w_kr.size() +
-                                     w.key_norm_gain.size());
+                                     w.u_k.size() + w.u_v.size() + w.basis_k.size() +
+                                     w.basis_v.size() + w.w_o.size() + w.w_qr.size() +
+                                     w.w_kr.size() + w.key_norm_gain.size());
   }
 }

@@ -222,6 +222,11 @@ TEST_CASE("bad input throws with a message naming the field", "[analysis][reliab
                                       "64-bit integer"));
   CHECK_THROWS_WITH(total_elements(g, {1000}, {big, 1}),
                     "kvattn::analysis: token slots does not fit in a signed 64-bit integer");
-  CHECK_THROWS_AS(elements_per_token(cache_layout(gqa(1 << 20, 1 << 20, 1 << 20)), big),
+  // A valid layer can still overflow a total (kvattn::overflow_error, which is also a
+  // std::overflow_error); a layer whose own sizes overflow is a config_error.
+  CHECK_THROWS_AS(elements_per_token(cache_layout(gqa(1 << 10, 1 << 10, 1 << 10)), big),
+                  kvattn::overflow_error);
+  CHECK_THROWS_AS(elements_per_token(cache_layout(gqa(1 << 10, 1 << 10, 1 << 10)), big),
                   std::overflow_error);
+  CHECK_THROWS_AS(cache_layout(gqa(1 << 20, 1 << 20, 1 << 20)), config_error);
 }

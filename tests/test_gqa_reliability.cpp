@@ -77,9 +77,9 @@ TEST_CASE("every wrong shape to a public call throws shape_error naming both sha
   REQUIRE_THROWS_WITH(GqaLayer<double>(config, weights),
                       Contains("w_o") && Contains("(24 x 11)") && Contains("(24 x 12)"));
   weights = layer.weights();
-  weights.b_q = RowVector<double>::Ones(5);
+  weights.bias_q = RowVector<double>::Ones(5);
   REQUIRE_THROWS_WITH(GqaLayer<double>(config, weights),
-                      Contains("b_q") && Contains("(1 x 5)") && Contains("(1 x 24)"));
+                      Contains("bias_q") && Contains("(1 x 5)") && Contains("(1 x 24)"));
   weights = layer.weights();
   weights.w_q = RowMatrix<double>::Ones(11, 24);
   REQUIRE_THROWS_AS(GqaLayer<double>(config, weights), shape_error);
@@ -89,7 +89,7 @@ TEST_CASE("every wrong shape to a public call throws shape_error naming both sha
   auto no_bias = config;
   no_bias.qkv_bias = false;
   REQUIRE_THROWS_WITH(GqaLayer<double>(no_bias, layer.weights()),
-                      Contains("b_q") && Contains("(1 x 24)") && Contains("(any x 0)"));
+                      Contains("bias_q") && Contains("(1 x 24)") && Contains("(any x 0)"));
 
   REQUIRE_THROWS_AS(cache.truncate(1), shape_error);
   REQUIRE_THROWS_AS(cache.reserve(-1), shape_error);

@@ -162,7 +162,7 @@ TEST_CASE("trace-based Gram equals the explicit-operator Gram", "[analysis]") {
     RowMatrix<double> keys(10, 12);
     for (Index h = 0; h < 4; ++h) {
       keys.middleCols(h * 3, 3) =
-          w.w_k_shared + w.u_k.middleCols(h * 2, 2) * w.b_k.middleCols(h * 2, 2).transpose();
+          w.w_k_shared + w.u_k.middleCols(h * 2, 2) * w.basis_k.middleCols(h * 2, 2).transpose();
     }
     const auto r = analysis::head_diversity(layer);
     CHECK(test::max_abs_error(r.gram, explicit_gram(w.w_q, keys, 4)) < 1e-13);

@@ -168,8 +168,10 @@ TEST_CASE("Unused LRKV cache capacity filled with NaN never leaks into an output
     layer.prefill(x.topRows(19), cache);
     const double nan = std::numeric_limits<double>::quiet_NaN();
     auto nan_rows = [&](Index cols) { return RowMatrix<double>::Constant(40, cols, nan); };
+    // Every stored value NaN; the key RMS must be finite and > 0 (append refuses others).
     const RowMatrix<double> shared = nan_rows(c.head_dim), latent = nan_rows(c.n_heads * c.rank),
-                            rope = nan_rows(c.decoupled_dim()), rms = nan_rows(c.n_heads);
+                            rope = nan_rows(c.decoupled_dim());
+    const RowMatrix<double> rms = RowMatrix<double>::Constant(40, c.n_heads, 1.0);
     cache.append({shared, shared, latent, latent, rope, rms});
     cache.truncate(19);
     const RowVector<double> y = layer.decode(x.row(19), cache);
@@ -220,7 +222,7 @@ TEST_CASE("A raw append of rows projected by hand, then decode, equals the refer
     for (Index h = 0; h < c.n_heads; ++h) {
       const RowVector<double> full =
           shared_keys.row(t) + residual_keys.row(t).segment(h * c.rank, c.rank) *
-                                   w.b_k.middleCols(h * c.rank, c.rank).transpose();
+                                   w.basis_k.middleCols(h * c.rank, c.rank).transpose();
       rms(t, h) = std::sqrt(full.squaredNorm() / c.head_dim + c.key_norm_epsilon);
     }
   }

@@ -82,7 +82,7 @@ RowMatrix<double> plain_model(const LrkvConfig& c, const LrkvWeights<double>& w,
       Vec logits;
       for (Index t = 0; t <= i; ++t) {
         Vec ks = project(x, t, w.w_k_shared, 0, dh);
-        Vec kr = expand(w.b_k, h * r, project(x, t, w.u_k, h * r, r));
+        Vec kr = expand(w.basis_k, h * r, project(x, t, w.u_k, h * r, r));
         if (c.key_norm) {
           double sum = 0;
           for (Index j = 0; j < dh; ++j) sum += std::pow(ks[j] + kr[j], 2);
@@ -120,7 +120,7 @@ RowMatrix<double> plain_model(const LrkvConfig& c, const LrkvWeights<double>& w,
       Vec o(static_cast<std::size_t>(dh), 0.0);
       for (Index t = 0; t <= i; ++t) {
         const Vec vs = project(x, t, w.w_v_shared, 0, dh);
-        const Vec vr = expand(w.b_v, h * r, project(x, t, w.u_v, h * r, r));
+        const Vec vr = expand(w.basis_v, h * r, project(x, t, w.u_v, h * r, r));
         for (Index j = 0; j < dh; ++j) o[j] += logits[t] / total * (vs[j] + vr[j]);
       }
       for (Index n = 0; n < c.d_model; ++n) {
@@ -180,7 +180,7 @@ TEST_CASE("The cache holds each head's key RMS of the materialized new key, in >
   for (Index t = 0; t < 11; ++t) {
     for (Index h = 0; h < c.n_heads; ++h) {
       const Vec ks = project(x, t, w.w_k_shared, 0, c.head_dim);
-      const Vec kr = expand(w.b_k, h * c.rank, project(x, t, w.u_k, h * c.rank, c.rank));
+      const Vec kr = expand(w.basis_k, h * c.rank, project(x, t, w.u_k, h * c.rank, c.rank));
       double sum = 0;
       for (Index j = 0; j < c.head_dim; ++j) sum += std::pow(ks[j] + kr[j], 2);
       const double rho = std::sqrt(sum / static_cast<double>(c.head_dim) + c.key_norm_epsilon);

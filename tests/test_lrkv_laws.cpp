@@ -8,6 +8,7 @@
 
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/lrkv.hpp"
+#include "kvattn/attention/lrkv_from_mha.hpp"
 #include "kvattn/reference/gqa.hpp"
 #include "kvattn/reference/lrkv.hpp"
 #include "test_lrkv_util.hpp"
@@ -61,7 +62,7 @@ TEST_CASE("The MHA-weights constructor reproduces MHA at full rank", "[equivalen
     for (const Index dh : {4, 6, 16}) {
       const GqaConfig config = mha_config(20, 3, dh, {layout, 10000.0, 7});
       const auto mha = GqaLayer<double>::random(config, static_cast<std::uint64_t>(dh));
-      const auto lrkv = LrkvLayer<double>::from_mha(mha);
+      const auto lrkv = lrkv_from_mha(mha);
       CHECK(lrkv.config().rank == dh);
       CHECK(lrkv.config().rope_mode ==
             (layout == RopeLayout::none ? LrkvRopeMode::none : LrkvRopeMode::commuting));
@@ -69,10 +70,10 @@ TEST_CASE("The MHA-weights constructor reproduces MHA at full rank", "[equivalen
       // U_h (B_h)^T = W_h for keys and values, head by head.
       for (Index h = 0; h < 3; ++h) {
         const auto cols = [&](const RowMatrix<double>& m) { return m.middleCols(h * dh, dh); };
-        CHECK((cols(lrkv.weights().u_k) * cols(lrkv.weights().b_k).transpose() -
+        CHECK((cols(lrkv.weights().u_k) * cols(lrkv.weights().basis_k).transpose() -
                cols(mha.weights().w_k))
                   .norm() == 0.0);
-        CHECK((cols(lrkv.weights().u_v) * cols(lrkv.weights().b_v).transpose() -
+        CHECK((cols(lrkv.weights().u_v) * cols(lrkv.weights().basis_v).transpose() -
                cols(mha.weights().w_v))
                   .norm() == 0.0);
       }
@@ -95,8 +96,10 @@ TEST_CASE("Residuals start at 0.1 ||W_shared||_F, as the paper initializes", "[l
     const auto w = LrkvWeights<double>::random(config, 1);
     for (Index h = 0; h < config.n_heads; ++h) {
       const auto r = config.rank;
-      const double k = (w.u_k.middleCols(h * r, r) * w.b_k.middleCols(h * r, r).transpose()).norm();
-      const double v = (w.u_v.middleCols(h * r, r) * w.b_v.middleCols(h * r, r).transpose()).norm();
+      const double k =
+          (w.u_k.middleCols(h * r, r) * w.basis_k.middleCols(h * r, r).transpose()).norm();
+      const double v =
+          (w.u_v.middleCols(h * r, r) * w.basis_v.middleCols(h * r, r).transpose()).norm();
       CHECK(k == Approx(0.1 * w.w_k_shared.norm()).epsilon(1e-12));
       CHECK(v == Approx(0.1 * w.w_v_shared.norm()).epsilon(1e-12));
     }
@@ -115,11 +118,11 @@ TEST_CASE("K/V parameters: 2 d d_h + 2 H r (d + d_h) against MHA's 2 H d d_h", "
       w.w_v_shared.resize(d, dh);
       w.u_k.resize(d, H * r);
       w.u_v.resize(d, H * r);
-      w.b_k.resize(dh, H * r);
-      w.b_v.resize(dh, H * r);
+      w.basis_k.resize(dh, H * r);
+      w.basis_v.resize(dh, H * r);
     }
     const Index counted = w.w_k_shared.size() + w.w_v_shared.size() + w.u_k.size() + w.u_v.size() +
-                          w.b_k.size() + w.b_v.size();
+                          w.basis_k.size() + w.basis_v.size();
     CHECK(counted == 2 * d * dh + 2 * H * r * (d + dh));
     if (d == 4096) {
       CHECK(counted == 1048576 + 14598144);  // 2*4096*128 + 2*32*54*4224

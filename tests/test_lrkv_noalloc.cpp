@@ -22,9 +22,10 @@ TEST_CASE("LRKV decode allocates nothing once the cache has capacity", "[cache][
       auto cache = layer.make_cache(64);
       layer.prefill(x.topRows(8), cache);
       RowVector<float> out(256);
-      layer.decode(x.row(8), cache, out);  // sizes the workspace
+      auto workspace = layer.make_workspace();
+      layer.decode(x.row(8), cache, out, workspace);  // warms up
       const auto count = test::count_allocations([&] {
-        for (Index t = 9; t < 64; ++t) layer.decode(x.row(t), cache, out);
+        for (Index t = 9; t < 64; ++t) layer.decode(x.row(t), cache, out, workspace);
       });
       CAPTURE(to_string(mode), key_norm);
       CHECK(count.operator_new == 0);
@@ -43,9 +44,10 @@ TEST_CASE("LRKV decode with double compute and float storage allocates nothing e
   auto cache = layer.make_cache<float>(40);
   layer.prefill(x.topRows(4), cache);
   RowVector<double> out(64);
-  layer.decode(x.row(4), cache, out);
+  auto workspace = layer.make_workspace();
+  layer.decode(x.row(4), cache, out, workspace);
   const auto count = test::count_allocations([&] {
-    for (Index t = 5; t < 40; ++t) layer.decode(x.row(t), cache, out);
+    for (Index t = 5; t < 40; ++t) layer.decode(x.row(t), cache, out, workspace);
   });
   CHECK(count.operator_new == 0);
   CHECK_FALSE(count.eigen_malloc);

@@ -10,6 +10,7 @@
 
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/lrkv.hpp"
+#include "kvattn/attention/lrkv_from_mha.hpp"
 #include "kvattn/reference/lrkv.hpp"
 #include "test_util.hpp"
 
@@ -121,8 +122,8 @@ TEST_CASE("Wrong shapes to every LRKV call throw shape_error naming both shapes"
   check_weights([](LrkvWeights<double>& w) { w.w_v_shared.resize(11, 4); }, "w_v_shared");
   check_weights([](LrkvWeights<double>& w) { w.u_k.resize(12, 5); }, "u_k");
   check_weights([](LrkvWeights<double>& w) { w.u_v.resize(12, 7); }, "u_v");
-  check_weights([](LrkvWeights<double>& w) { w.b_k.resize(5, 6); }, "b_k");
-  check_weights([](LrkvWeights<double>& w) { w.b_v.resize(4, 5); }, "b_v");
+  check_weights([](LrkvWeights<double>& w) { w.basis_k.resize(5, 6); }, "basis_k");
+  check_weights([](LrkvWeights<double>& w) { w.basis_v.resize(4, 5); }, "basis_v");
   check_weights([](LrkvWeights<double>& w) { w.w_o.resize(12, 13); }, "w_o");
   check_weights([](LrkvWeights<double>& w) { w.w_qr.resize(12, 3); }, "w_qr");
   check_weights([](LrkvWeights<double>& w) { w.w_kr.resize(12, 1); }, "w_kr");
@@ -150,25 +151,23 @@ TEST_CASE("A cache of another config, full RoPE, or a broken commuting B_h is re
   // A B_h^K latent pair that is a reflection, or spans two planes, is not commuting.
   LrkvWeights<double> w = layer.weights();
   const auto [a, b] = detail::rope_plane_dims(RopeLayout::half_split, 4, 0);
-  w.b_k.col(0).setZero();
-  w.b_k.col(1).setZero();
-  w.b_k(a, 0) = 1.0;
-  w.b_k(b, 1) = -1.0;  // [[1, 0], [0, -1]]: a reflection
+  w.basis_k.col(0).setZero();
+  w.basis_k.col(1).setZero();
+  w.basis_k(a, 0) = 1.0;
+  w.basis_k(b, 1) = -1.0;  // [[1, 0], [0, -1]]: a reflection
   REQUIRE_THROWS_AS(LrkvLayer<double>(c, w), config_error);
   REQUIRE_THROWS_WITH(LrkvLayer<double>(c, w), Contains("head 0") && Contains("scaled rotation"));
-  w.b_k(b, 1) = 1.0;  // a rotation by 0: fine
+  w.basis_k(b, 1) = 1.0;  // a rotation by 0: fine
   REQUIRE_NOTHROW(LrkvLayer<double>(c, w));
-  w.b_k(1, 0) = 0.5;  // leaks into plane 1
+  w.basis_k(1, 0) = 0.5;  // leaks into plane 1
   REQUIRE_THROWS_AS(LrkvLayer<double>(c, w), config_error);
 
   // Only MHA without biases maps onto LRKV.
-  REQUIRE_THROWS_WITH(
-      LrkvLayer<double>::from_mha(GqaLayer<double>::random(gqa_config(8, 4, 2, 2), 1)),
-      Contains("n_kv_heads"));
+  REQUIRE_THROWS_WITH(lrkv_from_mha(GqaLayer<double>::random(gqa_config(8, 4, 2, 2), 1)),
+                      Contains("n_kv_heads"));
   GqaConfig biased = mha_config(8, 2, 4);
   biased.qkv_bias = true;
-  REQUIRE_THROWS_WITH(LrkvLayer<double>::from_mha(GqaLayer<double>::random(biased, 1)),
-                      Contains("qkv_bias"));
+  REQUIRE_THROWS_WITH(lrkv_from_mha(GqaLayer<double>::random(biased, 1)), Contains("qkv_bias"));
 }
 
 TEST_CASE("Large LRKV logits stay finite and exact", "[reliability][lrkv]") {

@@ -75,7 +75,7 @@ TEST_CASE("For a random B_h no latent map matches full RoPE; for a commuting B_h
       // The commuting B of a layer of the same shape.
       LrkvConfig config{16, 1, dh, rank, LrkvRopeMode::commuting, {layout, 100.0, 0}};
       const auto layer = LrkvLayer<double>::random(config, 9);
-      const Matrix b_commuting = layer.weights().b_k;
+      const Matrix b_commuting = layer.weights().basis_k;
       for (const double position : {1.0, 7.0, 100.0}) {
         const Matrix p = rope_matrix(rope, position);
         const double random_residual = best_latent_residual(p, b);
@@ -189,9 +189,9 @@ TEST_CASE("Half-split and interleaved LRKV agree after permuting the weights", "
     } else {
       w.w_q = permute_cols(w.w_q, dh);
       w.w_k_shared = permute_cols(w.w_k_shared, dh);
-      w.b_k = permute_cols(w.b_k.transpose(), dh).transpose();  // rows of B are d_h dims
+      w.basis_k = permute_cols(w.basis_k.transpose(), dh).transpose();  // rows of B are d_h dims
       w.key_norm_gain = permute_cols(w.key_norm_gain, dh);
-      w.b_v = permute_cols(w.b_v.transpose(), dh).transpose();
+      w.basis_v = permute_cols(w.basis_v.transpose(), dh).transpose();
       w.w_v_shared = permute_cols(w.w_v_shared, dh);
       // Outputs of each head come out permuted too: undo it in W_O's rows.
       w.w_o = permute_cols(w.w_o.transpose(), dh).transpose();

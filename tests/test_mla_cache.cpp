@@ -143,9 +143,9 @@ TEST_CASE("MLA: NaN in unused cache capacity never leaks into an output", "[cach
     for (const MlaPrefill mode : {MlaPrefill::absorbed, MlaPrefill::expanded}) {
       auto a = cache;
       auto b = clean;
-      const RowMatrix<double> ya = layer.prefill(x.middleRows(100, 20), a, mode);
+      const RowMatrix<double> ya = layer.prefill(x.middleRows(100, 20), a, {}, mode);
       CHECK(ya.allFinite());
-      CHECK(ya == layer.prefill(x.middleRows(100, 20), b, mode));
+      CHECK(ya == layer.prefill(x.middleRows(100, 20), b, {}, mode));
     }
   }
 }
@@ -208,9 +208,10 @@ void check_no_allocation(const MlaConfig& c) {
   MlaCache<T, S> cache(c, 700);
   layer.prefill(x.topRows(500), cache);
   RowVector<T> out(c.d_model);
-  layer.decode(x.row(500), cache, out);  // sizes the workspace
+  auto workspace = layer.make_workspace();
+  layer.decode(x.row(500), cache, out, workspace);  // warms up
   const auto count = kvattn::test::count_allocations([&] {
-    for (Index t = 501; t < 700; ++t) layer.decode(x.row(t), cache, out);
+    for (Index t = 501; t < 700; ++t) layer.decode(x.row(t), cache, out, workspace);
   });
   CAPTURE(sizeof(T), sizeof(S), c.n_heads, c.kv_rank, c.rope_dim, layer.decode_tile());
   CHECK(count.operator_new == 0);

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kvattn/attention/mla.hpp"
-#include "kvattn/attention/mla_config.hpp"
+#include "kvattn/config/mla_config.hpp"
 
 namespace kvattn::test {
 

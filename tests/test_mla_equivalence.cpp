@@ -46,7 +46,7 @@ void check_case(const kvattn::test::MlaCase& c) {
   // Both prefill formulations, at once, equal the reference.
   for (const MlaPrefill mode : {MlaPrefill::expanded, MlaPrefill::absorbed}) {
     auto once_cache = layer.make_cache();
-    const RowMatrix<T> once = layer.prefill(x, once_cache, mode);
+    const RowMatrix<T> once = layer.prefill(x, once_cache, {}, mode);
     INFO("prefill mode " << static_cast<int>(mode) << " error " << relative_error(once, expected));
     CHECK(relative_error(once, expected) <= tol);
   }
@@ -61,7 +61,7 @@ void check_case(const kvattn::test::MlaCase& c) {
     const MlaPrefill mode = chunk % 3 == 0   ? MlaPrefill::automatic
                             : chunk % 3 == 1 ? MlaPrefill::absorbed
                                              : MlaPrefill::expanded;
-    chunked.middleRows(start, n) = layer.prefill(x.middleRows(start, n), chunked_cache, mode);
+    chunked.middleRows(start, n) = layer.prefill(x.middleRows(start, n), chunked_cache, {}, mode);
     start += n;
   }
   INFO("chunked prefill error " << relative_error(chunked, expected));

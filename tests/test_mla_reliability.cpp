@@ -206,7 +206,7 @@ TEST_CASE("MLA: non-finite inputs give NaN outputs, large finite inputs stay fin
   for (const MlaPrefill mode : {MlaPrefill::expanded, MlaPrefill::absorbed}) {
     CAPTURE(static_cast<int>(mode));
     auto nan_cache = layer.make_cache();
-    const RowMatrix<double> nan_y = layer.prefill(x.topRows(10), nan_cache, mode);
+    const RowMatrix<double> nan_y = layer.prefill(x.topRows(10), nan_cache, {}, mode);
     CHECK(nan_y.topRows(5).allFinite());  // causal: earlier tokens never see it
     CHECK(nan_y.row(5).hasNaN());
     CHECK(layer.decode(x.row(10), nan_cache).hasNaN());

@@ -79,14 +79,15 @@ TEST_CASE("MLA at DeepSeek-V2's shape: absorbed equals expanded", "[equivalence]
   y.topRows(prompt) = layer.prefill(x.topRows(prompt), cache);
   CHECK(layer.prefill_mode(MlaPrefill::automatic, 0, prompt) == MlaPrefill::expanded);
   RowVector<double> out(c.d_model);
+  auto workspace = layer.make_workspace();
   for (Index t = prompt; t < length - 2; ++t) {
-    layer.decode(x.row(t), cache, out);
+    layer.decode(x.row(t), cache, out, workspace);
     y.row(t) = out;
   }
   // The last two decodes run with allocation checks on (the cache has capacity).
   const auto count = kvattn::test::count_allocations([&] {
     for (Index t = length - 2; t < length; ++t) {
-      layer.decode(x.row(t), cache, out);
+      layer.decode(x.row(t), cache, out, workspace);
       y.row(t) = out;
     }
   });

@@ -33,11 +33,11 @@ RowMatrix<T> random_input(Index rows, Index cols, std::uint64_t seed) {
   return random_normal<T>(rows, cols, rng);
 }
 
-// The projected query of token i: x W_Q (+ b_q), before RoPE.
+// The projected query of token i: x W_Q (+ bias_q), before RoPE.
 template <class T>
 RowMatrix<T> gqa_query(const GqaLayer<T>& layer, const RowMatrix<T>& x, Index i) {
   RowMatrix<T> q = x.row(i) * layer.weights().w_q;
-  if (layer.config().qkv_bias) q += layer.weights().b_q;
+  if (layer.config().qkv_bias) q += layer.weights().bias_q;
   return q;
 }
 
@@ -52,13 +52,19 @@ RowMatrix<T> mla_query(const MlaLayer<T>& layer, const RowMatrix<T>& x, Index i)
   return c_q * w.w_uq;
 }
 
-// [x W_Q | x W_QR] of token i.
+// Token i's query in attend's layout: head h's [x W_Q_h | x W_QR_h] in columns
+// [h*(d_h+d_R), (h+1)*(d_h+d_R)).
 template <class T>
 RowMatrix<T> lrkv_query(const LrkvLayer<T>& layer, const RowMatrix<T>& x, Index i) {
   const LrkvConfig& c = layer.config();
-  RowMatrix<T> q(1, c.n_heads * (c.head_dim + c.decoupled_dim()));
-  q.leftCols(c.n_heads * c.head_dim) = x.row(i) * layer.weights().w_q;
-  q.rightCols(c.n_heads * c.decoupled_dim()) = x.row(i) * layer.weights().w_qr;
+  const Index dh = c.head_dim, dr = c.decoupled_dim();
+  const RowMatrix<T> content = x.row(i) * layer.weights().w_q;
+  const RowMatrix<T> rope = x.row(i) * layer.weights().w_qr;
+  RowMatrix<T> q(1, c.n_heads * (dh + dr));
+  for (Index h = 0; h < c.n_heads; ++h) {
+    q.middleCols(h * (dh + dr), dh) = content.middleCols(h * dh, dh);
+    q.middleCols(h * (dh + dr) + dh, dr) = rope.middleCols(h * dr, dr);
+  }
   return q;
 }
 

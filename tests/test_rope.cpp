@@ -74,8 +74,8 @@ TEST_CASE("Half-split and interleaved layouts give the same outputs after permut
       }
     }
   };
-  permute(weights.w_q, weights.b_q, config.n_heads);
-  permute(weights.w_k, weights.b_k, config.n_kv_heads);
+  permute(weights.w_q, weights.bias_q, config.n_heads);
+  permute(weights.w_k, weights.bias_k, config.n_kv_heads);
   auto inter_config = config;
   inter_config.rope.layout = RopeLayout::interleaved;
   const GqaLayer<double> inter_layer(inter_config, weights);

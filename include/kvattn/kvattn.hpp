@@ -1,5 +1,7 @@
 // Umbrella header: every public kvattn header except the expanded references
-// (include "kvattn/reference/..." for those).
+// (include "kvattn/reference/..." for those), the self-attention pool that runs them
+// ("kvattn/pooling/self_attention_pool.hpp"), and the Hugging Face config parser
+// ("kvattn/analysis/hf_config.hpp", which needs nlohmann-json: target kvattn::hf_config).
 #pragma once
 
 #include "kvattn/analysis/budget.hpp"
@@ -7,24 +9,31 @@
 #include "kvattn/analysis/dtype.hpp"
 #include "kvattn/analysis/head_diversity.hpp"
 #include "kvattn/analysis/params.hpp"
-#include "kvattn/attention/encode.hpp"
+#include "kvattn/analysis/visibility.hpp"
+#include "kvattn/attention/attention_layer.hpp"
 #include "kvattn/attention/gqa.hpp"
-#include "kvattn/attention/gqa_config.hpp"
 #include "kvattn/attention/lrkv.hpp"
-#include "kvattn/attention/lrkv_config.hpp"
+#include "kvattn/attention/lrkv_from_mha.hpp"
+#include "kvattn/attention/lrkv_weights.hpp"
 #include "kvattn/attention/mla.hpp"
-#include "kvattn/attention/mla_config.hpp"
 #include "kvattn/cache/gqa_cache.hpp"
 #include "kvattn/cache/kv_cache.hpp"
 #include "kvattn/cache/lrkv_cache.hpp"
 #include "kvattn/cache/mla_cache.hpp"
 #include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/config/gqa_config.hpp"
+#include "kvattn/config/lrkv_config.hpp"
+#include "kvattn/config/mla_config.hpp"
+#include "kvattn/config/rope_config.hpp"
+#include "kvattn/config/yarn_config.hpp"
 #include "kvattn/core/errors.hpp"
+#include "kvattn/core/index.hpp"
 #include "kvattn/core/mask.hpp"
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
 #include "kvattn/core/softmax.hpp"
+#include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/core/yarn.hpp"
 #include "kvattn/pooling/latent_pooling.hpp"

@@ -4,13 +4,15 @@
 #pragma once
 
 #include <algorithm>
+#include <limits>
 #include <optional>
+#include <type_traits>
 
 #include "kvattn/analysis/cache_size.hpp"
-#include "kvattn/attention/gqa_config.hpp"
-#include "kvattn/attention/lrkv_config.hpp"
-#include "kvattn/attention/mla_config.hpp"
-#include "kvattn/core/types.hpp"
+#include "kvattn/config/gqa_config.hpp"
+#include "kvattn/config/lrkv_config.hpp"
+#include "kvattn/config/mla_config.hpp"
+#include "kvattn/core/index.hpp"
 
 namespace kvattn::analysis {
 
@@ -35,12 +37,40 @@ constexpr Index cost_per_token(const CacheLayout& layout, Index layers, const Bu
                                              : bytes_per_token(layout, storage, layers);
 }
 
-/// Whether a layout fits the budget over `layers` layers.
+/// Whether a layout fits the budget over `layers` layers. A cost too large to represent
+/// does not fit (it exceeds any budget).
 constexpr bool fits(const CacheLayout& layout, Index layers, const Budget& budget,
                     const CacheStorage& storage = {}) {
   check(budget);
+  if (!std::is_constant_evaluated()) {
+    try {
+      return cost_per_token(layout, layers, budget, storage) <= budget.amount;
+    } catch (const kvattn::overflow_error&) {
+      return false;
+    }
+  }
   return cost_per_token(layout, layers, budget, storage) <= budget.amount;
 }
+
+namespace detail {
+
+/// Whether `config` validates (at run time a config_error means no; in a constant
+/// expression an invalid config does not compile).
+template <class Config>
+constexpr bool valid(const Config& config) {
+  if (!std::is_constant_evaluated()) {
+    try {
+      config.validate();
+    } catch (const config_error&) {
+      return false;
+    }
+    return true;
+  }
+  config.validate();
+  return true;
+}
+
+}  // namespace detail
 
 /// The real-valued bound on d_c from an elements budget: B / l - d_R (seed 002:
 /// 50,000 / 60 - 64 = 769.3).
@@ -58,14 +88,15 @@ constexpr std::optional<Index> max_kv_rank(MlaConfig base, Index layers, const B
   check(budget);
   detail::require(step >= 1, "max_kv_rank", "step", step, "must be >= 1");
   detail::require(layers >= 1, "max_kv_rank", "layers", layers, "must be >= 1");
+  // A d_c whose layer sizes cannot be represented (validate() refuses it) does not fit.
   auto fits_at = [&](Index k) {
     base.kv_rank = k * step;
-    return fits(cache_layout(base), layers, budget, storage);
+    return detail::valid(base) && fits(cache_layout(base), layers, budget, storage);
   };
   // Each latent element costs >= 1 element and >= 1 byte per layer, so
-  // d_c <= amount / layers bounds the search.
-  Index lo = 0;                                  // fits (vacuously: "none")
-  Index hi = budget.amount / layers / step + 1;  // does not fit
+  // d_c <= amount / layers bounds the search (amount / layers / step < INT64_MAX here).
+  Index lo = 0;  // fits (vacuously: "none")
+  Index hi = std::min(budget.amount / layers / step, std::numeric_limits<Index>::max() - 1) + 1;
   if (hi < 2 || !fits_at(1)) return std::nullopt;
   lo = 1;
   while (hi - lo > 1) {
@@ -82,7 +113,7 @@ constexpr std::optional<Index> max_lrkv_rank(LrkvConfig base, Index layers, cons
   check(budget);
   auto fits_at = [&](Index r) {
     base.rank = r;
-    return fits(cache_layout(base), layers, budget, storage);
+    return detail::valid(base) && fits(cache_layout(base), layers, budget, storage);
   };
   if (!fits_at(0)) return std::nullopt;
   Index lo = 0;                  // fits
@@ -95,12 +126,13 @@ constexpr std::optional<Index> max_lrkv_rank(LrkvConfig base, Index layers, cons
 }
 
 /// The largest divisor n_kv of H such that GQA with the other fields of `base` fits
-/// the budget. std::nullopt when not even MQA (n_kv = 1) fits. O(log H + sqrt(H)).
+/// the budget. std::nullopt when not even MQA (n_kv = 1) fits. O(log H + sqrt(H)); the count
+/// search never overflows: validate() bounds 2 * H * d_h.
 constexpr std::optional<Index> max_kv_heads(GqaConfig base, Index layers, const Budget& budget,
                                             const CacheStorage& storage = {}) {
   check(budget);
   base.n_kv_heads = base.n_heads;
-  check(base);
+  base.validate();
   // The cost grows with n_kv, so first find the largest count n <= H that fits (any n,
   // divisor or not: 2n rows of d_h), then the largest divisor of H not above it.
   auto fits_at = [&](Index n) {
@@ -114,6 +146,8 @@ constexpr std::optional<Index> max_kv_heads(GqaConfig base, Index layers, const 
     const Index mid = lo + (hi - lo) / 2;
     (fits_at(mid) ? lo : hi) = mid;
   }
+  if (lo == base.n_heads) return lo;
+  // The largest divisor of H not above lo: every divisor d <= sqrt(H) pairs with H / d.
   Index best = 1;
   for (Index d = 1; d <= base.n_heads / d; ++d) {
     if (base.n_heads % d != 0) continue;

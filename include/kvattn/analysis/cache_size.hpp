@@ -1,6 +1,6 @@
 // Analytic KV-cache size of every mechanism, from its configuration alone.
 //
-// Pure constexpr functions of the configs (attention/*_config.hpp); the cache code is
+// Pure constexpr functions of the configs (config/*_config.hpp); the cache code is
 // never included. The caches count their own buffers and tests/test_analysis_cache.cpp
 // holds the two equal. Formulas (docs/cache-size.md; seed 002 Chapters 1-4, seed 000):
 //
@@ -23,46 +23,34 @@
 
 #include <algorithm>
 #include <limits>
-#include <stdexcept>
 #include <string>
 #include <type_traits>
 
 #include "kvattn/analysis/dtype.hpp"
-#include "kvattn/attention/gqa_config.hpp"
-#include "kvattn/attention/lrkv_config.hpp"
-#include "kvattn/attention/mla_config.hpp"
+#include "kvattn/config/gqa_config.hpp"
+#include "kvattn/config/lrkv_config.hpp"
+#include "kvattn/config/mla_config.hpp"
 #include "kvattn/core/errors.hpp"
-#include "kvattn/core/types.hpp"
+#include "kvattn/core/index.hpp"
 
 namespace kvattn::analysis {
 
 namespace detail {
 
-[[noreturn]] inline void fail(const char* where, const char* field, Index value,
-                              const std::string& rule) {
-  throw config_error(std::string(where) + ": " + field + " (" + std::to_string(value) + ") " +
-                     rule);
-}
-
-/// Throws config_error "<where>: <field> (<value>) <rule>" unless ok. Usable in
-/// constant expressions: a failing check there is a compile error.
-constexpr void require(bool ok, const char* where, const char* field, Index value,
-                       const char* rule) {
-  if (!ok) fail(where, field, value, rule);
-}
+using kvattn::detail::require;
 
 [[noreturn]] inline void fail_overflow(const char* what) {
-  throw std::overflow_error(std::string("kvattn::analysis: ") + what +
-                            " does not fit in a signed 64-bit integer");
+  throw kvattn::overflow_error(std::string("kvattn::analysis: ") + what +
+                               " does not fit in a signed 64-bit integer");
 }
 
-/// a * b for a, b >= 0; throws std::overflow_error naming `what` on overflow.
+/// a * b for a, b >= 0; throws kvattn::overflow_error naming `what` on overflow.
 constexpr Index mul(Index a, Index b, const char* what) {
   if (a != 0 && b > std::numeric_limits<Index>::max() / a) fail_overflow(what);
   return a * b;
 }
 
-/// a + b for a, b >= 0; throws std::overflow_error naming `what` on overflow.
+/// a + b for a, b >= 0; throws kvattn::overflow_error naming `what` on overflow.
 constexpr Index add(Index a, Index b, const char* what) {
   if (a > std::numeric_limits<Index>::max() - b) fail_overflow(what);
   return a + b;
@@ -72,46 +60,6 @@ constexpr Index add(Index a, Index b, const char* what) {
 constexpr Index ceil_div(Index a, Index b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 }  // namespace detail
-
-// ---- Validation (the rules the size formulas rely on) -----------------------------
-
-/// Checks the fields the analysis uses; at run time also the config's own validate(),
-/// so the analysis accepts exactly the configs the layers accept. Throws config_error.
-constexpr void check(const GqaConfig& c) {
-  if (!std::is_constant_evaluated()) c.validate();
-  constexpr const char* where = "GqaConfig";
-  detail::require(c.d_model >= 1, where, "d_model", c.d_model, "must be >= 1");
-  detail::require(c.n_heads >= 1, where, "n_heads", c.n_heads, "must be >= 1");
-  detail::require(c.head_dim >= 1, where, "head_dim", c.head_dim, "must be >= 1");
-  detail::require(c.n_kv_heads >= 1, where, "n_kv_heads", c.n_kv_heads, "must be >= 1");
-  detail::require(c.n_heads % c.n_kv_heads == 0, where, "n_kv_heads", c.n_kv_heads,
-                  "must divide n_heads");
-}
-
-constexpr void check(const MlaConfig& c) {
-  if (!std::is_constant_evaluated()) c.validate();
-  constexpr const char* where = "MlaConfig";
-  detail::require(c.d_model >= 1, where, "d_model", c.d_model, "must be >= 1");
-  detail::require(c.n_heads >= 1, where, "n_heads", c.n_heads, "must be >= 1");
-  detail::require(c.kv_rank >= 1, where, "kv_rank", c.kv_rank, "must be >= 1");
-  detail::require(c.q_rank >= 0, where, "q_rank", c.q_rank, "must be >= 0");
-  detail::require(c.qk_nope_dim >= 1, where, "qk_nope_dim", c.qk_nope_dim, "must be >= 1");
-  detail::require(c.rope_dim >= 0, where, "rope_dim", c.rope_dim, "must be >= 0");
-  detail::require(c.v_dim >= 1, where, "v_dim", c.v_dim, "must be >= 1");
-}
-
-constexpr void check(const LrkvConfig& c) {
-  if (!std::is_constant_evaluated()) c.validate();
-  constexpr const char* where = "LrkvConfig";
-  detail::require(c.d_model >= 1, where, "d_model", c.d_model, "must be >= 1");
-  detail::require(c.n_heads >= 1, where, "n_heads", c.n_heads, "must be >= 1");
-  detail::require(c.head_dim >= 1, where, "head_dim", c.head_dim, "must be >= 1");
-  detail::require(c.rank >= 0 && c.rank <= c.head_dim, where, "rank", c.rank,
-                  "must be in [0, head_dim]");
-  detail::require(c.rope_dim >= 0, where, "rope_dim", c.rope_dim, "must be >= 0");
-  detail::require(c.rope_mode == LrkvRopeMode::decoupled || c.rope_dim == 0, where, "rope_dim",
-                  c.rope_dim, "must be 0 unless rope_mode is decoupled");
-}
 
 // ---- What one token stores in one layer ----------------------------------------------
 
@@ -154,7 +102,7 @@ constexpr CacheLayout mha_layout(Index n_heads, Index head_dim) {
 
 /// KV heads one device holds under tensor parallelism of degree tp (rules above).
 constexpr Index kv_heads_per_device(const GqaConfig& c, Index tp) {
-  check(c);
+  c.validate();
   detail::require(tp >= 1, "tensor parallelism", "tp", tp, "must be >= 1");
   detail::require(c.n_heads % tp == 0, "tensor parallelism", "tp", tp,
                   "must divide n_heads (query heads are split across devices)");
@@ -181,7 +129,7 @@ constexpr CacheLayout cache_layout(const GqaConfig& c, Index tp = 1) {
 /// MLA: the latent c_kv (d_c) and the shared rope key k_R (d_R), replicated on every
 /// device under tensor parallelism.
 constexpr CacheLayout cache_layout(const MlaConfig& c, Index tp = 1) {
-  check(c);
+  c.validate();
   detail::require(tp >= 1, "tensor parallelism", "tp", tp, "must be >= 1");
   detail::require(c.n_heads % tp == 0, "tensor parallelism", "tp", tp,
                   "must divide n_heads (query heads are split across devices)");
@@ -191,7 +139,7 @@ constexpr CacheLayout cache_layout(const MlaConfig& c, Index tp = 1) {
 /// LRKV: shared K_s, V_s (replicated), each head's latents R_h^K, R_h^V (sharded),
 /// the decoupled rope key (replicated) and the per-head key RMS (sharded).
 constexpr CacheLayout cache_layout(const LrkvConfig& c, Index tp = 1) {
-  check(c);
+  c.validate();
   detail::require(tp >= 1, "tensor parallelism", "tp", tp, "must be >= 1");
   detail::require(c.n_heads % tp == 0, "tensor parallelism", "tp", tp,
                   "must divide n_heads (query heads and their residual latents are split)");

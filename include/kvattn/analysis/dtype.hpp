@@ -8,7 +8,7 @@
 #include <string_view>
 #include <type_traits>
 
-#include "kvattn/core/types.hpp"
+#include "kvattn/core/index.hpp"
 
 // Eigen's narrow scalar types, declared here so this header stays free of Eigen.
 namespace Eigen {

@@ -176,7 +176,7 @@ HeadDiversity head_diversity(const LrkvLayer<T>& layer) {
     RowMatrix<double> key = w.w_k_shared.template cast<double>();
     if (r > 0) {
       key += w.u_k.middleCols(h * r, r).template cast<double>() *
-             w.b_k.middleCols(h * r, r).template cast<double>().transpose();
+             w.basis_k.middleCols(h * r, r).template cast<double>().transpose();
     }
     if (c.key_norm) key = key * w.key_norm_gain.template cast<double>().asDiagonal();
     queries.middleCols(h * k, dh) = w.w_q.middleCols(h * dh, dh).template cast<double>();

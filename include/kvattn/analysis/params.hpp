@@ -13,10 +13,10 @@
 #pragma once
 
 #include "kvattn/analysis/cache_size.hpp"
-#include "kvattn/attention/gqa_config.hpp"
-#include "kvattn/attention/lrkv_config.hpp"
-#include "kvattn/attention/mla_config.hpp"
-#include "kvattn/core/types.hpp"
+#include "kvattn/config/gqa_config.hpp"
+#include "kvattn/config/lrkv_config.hpp"
+#include "kvattn/config/mla_config.hpp"
+#include "kvattn/core/index.hpp"
 
 namespace kvattn::analysis {
 
@@ -29,7 +29,7 @@ constexpr Index mul3(Index a, Index b, Index c, const char* what) {
 
 /// W_K and W_V (d x n_kv*d_h each), and their biases with qkv_bias.
 constexpr Index kv_projection_params(const GqaConfig& c) {
-  check(c);
+  c.validate();
   using detail::mul;
   using detail::mul3;
   const Index weights = mul3(2, c.d_model, mul(c.n_kv_heads, c.head_dim, "KV width"), "K/V params");
@@ -41,7 +41,7 @@ constexpr Index kv_projection_params(const GqaConfig& c) {
 /// `with_rope_key` is false (seed 002 counts 8.65x against MHA without it, 8.50x with).
 /// RMSNorm gains are not projections (attention_params counts them).
 constexpr Index kv_projection_params(const MlaConfig& c, bool with_rope_key = true) {
-  check(c);
+  c.validate();
   using detail::add;
   using detail::mul3;
   Index n = detail::mul(c.kv_rank, c.d_model, "MLA W_DKV");
@@ -54,7 +54,7 @@ constexpr Index kv_projection_params(const MlaConfig& c, bool with_rope_key = tr
 /// W_shared^K, W_shared^V (d x d_h each), U_h^{K,V} (d x r per head), B_h^{K,V}
 /// (d_h x r per head): 2*d*d_h + 2*H*r*(d + d_h); plus W_KR (d x d_R) when decoupled.
 constexpr Index kv_projection_params(const LrkvConfig& c) {
-  check(c);
+  c.validate();
   using detail::add;
   using detail::mul;
   using detail::mul3;
@@ -71,7 +71,7 @@ constexpr Index kv_projection_params(const LrkvConfig& c) {
 
 /// The query path: W_Q (d x H*d_h) and b_Q with qkv_bias.
 constexpr Index query_params(const GqaConfig& c) {
-  check(c);
+  c.validate();
   const Index width = detail::mul(c.n_heads, c.head_dim, "query width");
   return detail::add(detail::mul(c.d_model, width, "W_Q"), c.qkv_bias ? width : 0, "Q params");
 }
@@ -79,7 +79,7 @@ constexpr Index query_params(const GqaConfig& c) {
 /// The query path: W_DQ (d x d_c'), its RMSNorm gain (q_norm) and W_UQ
 /// (d_c' x H*(d_nope + d_R)) with query compression; W_Q (d x H*(d_nope + d_R)) without.
 constexpr Index query_params(const MlaConfig& c) {
-  check(c);
+  c.validate();
   using detail::add;
   using detail::mul;
   const Index width = mul(c.n_heads, add(c.qk_nope_dim, c.rope_dim, "q head"), "query width");
@@ -91,7 +91,7 @@ constexpr Index query_params(const MlaConfig& c) {
 
 /// The query path: W_h^Q for all heads (d x H*d_h) and W_QR (d x H*d_R) when decoupled.
 constexpr Index query_params(const LrkvConfig& c) {
-  check(c);
+  c.validate();
   using detail::mul;
   Index n = mul(c.d_model, mul(c.n_heads, c.head_dim, "query width"), "W_Q");
   if (c.rope_mode == LrkvRopeMode::decoupled) {
@@ -102,15 +102,15 @@ constexpr Index query_params(const LrkvConfig& c) {
 
 /// W_O: (H*d_h) x d; MLA (H*d_v) x d.
 constexpr Index output_params(const GqaConfig& c) {
-  check(c);
+  c.validate();
   return detail::mul3(c.n_heads, c.head_dim, c.d_model, "W_O");
 }
 constexpr Index output_params(const MlaConfig& c) {
-  check(c);
+  c.validate();
   return detail::mul3(c.n_heads, c.v_dim, c.d_model, "W_O");
 }
 constexpr Index output_params(const LrkvConfig& c) {
-  check(c);
+  c.validate();
   return detail::mul3(c.n_heads, c.head_dim, c.d_model, "W_O");
 }
 

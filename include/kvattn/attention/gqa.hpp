@@ -2,8 +2,8 @@
 //
 // Shapes (rows are tokens):
 //   x        L x d                    input hidden states
-//   w_q      d x (H * d_h)            b_q 1 x (H * d_h)   (biases only with qkv_bias)
-//   w_k, w_v d x (n_kv * d_h)         b_k, b_v 1 x (n_kv * d_h)
+//   w_q      d x (H * d_h)            bias_q 1 x (H * d_h)   (biases only with qkv_bias)
+//   w_k, w_v d x (n_kv * d_h)         bias_k, bias_v 1 x (n_kv * d_h)
 //   w_o      (H * d_h) x d
 //   output   L x d
 // Query head h (columns [h*d_h, (h+1)*d_h) of Q) attends with KV head h / (H / n_kv).
@@ -12,22 +12,23 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
-#include "kvattn/attention/gqa_config.hpp"
+#include "kvattn/attention/attention_layer.hpp"
 #include "kvattn/cache/gqa_cache.hpp"
+#include "kvattn/config/gqa_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rope.hpp"
-#include "kvattn/core/softmax.hpp"
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
@@ -35,29 +36,29 @@ namespace kvattn {
 /// The projection weights of a GQA-family layer (`in x out`, Y = X * W).
 template <class T>
 struct GqaWeights {
-  RowMatrix<T> w_q;  // d x (H * d_h)
-  RowMatrix<T> w_k;  // d x (n_kv * d_h)
-  RowMatrix<T> w_v;  // d x (n_kv * d_h)
-  RowMatrix<T> w_o;  // (H * d_h) x d
-  RowVector<T> b_q;  // 1 x (H * d_h), empty without qkv_bias
-  RowVector<T> b_k;  // 1 x (n_kv * d_h), empty without qkv_bias
-  RowVector<T> b_v;  // 1 x (n_kv * d_h), empty without qkv_bias
+  RowMatrix<T> w_q;     // d x (H * d_h)
+  RowMatrix<T> w_k;     // d x (n_kv * d_h)
+  RowMatrix<T> w_v;     // d x (n_kv * d_h)
+  RowMatrix<T> w_o;     // (H * d_h) x d
+  RowVector<T> bias_q;  // 1 x (H * d_h), empty without qkv_bias
+  RowVector<T> bias_k;  // 1 x (n_kv * d_h), empty without qkv_bias
+  RowVector<T> bias_v;  // 1 x (n_kv * d_h), empty without qkv_bias
 
   /// Weights drawn from N(0, 1/fan_in); biases (with qkv_bias) from N(0, 0.25).
   static GqaWeights random(const GqaConfig& config, std::uint64_t seed) {
     config.validate();
     std::mt19937_64 rng(seed);
-    const Index q_width = config.n_heads * config.head_dim;
-    const Index kv_width = config.n_kv_heads * config.head_dim;
+    const Index q_width = config.query_width();
+    const Index kv_width = config.kv_width();
     GqaWeights w;
     w.w_q = random_weight<T>(config.d_model, q_width, rng);
     w.w_k = random_weight<T>(config.d_model, kv_width, rng);
     w.w_v = random_weight<T>(config.d_model, kv_width, rng);
     w.w_o = random_weight<T>(q_width, config.d_model, rng);
     if (config.qkv_bias) {
-      w.b_q = random_normal<T>(1, q_width, rng, 0.5);
-      w.b_k = random_normal<T>(1, kv_width, rng, 0.5);
-      w.b_v = random_normal<T>(1, kv_width, rng, 0.5);
+      w.bias_q = random_normal<T>(1, q_width, rng, 0.5);
+      w.bias_k = random_normal<T>(1, kv_width, rng, 0.5);
+      w.bias_v = random_normal<T>(1, kv_width, rng, 0.5);
     }
     return w;
   }
@@ -65,25 +66,25 @@ struct GqaWeights {
   /// The same weights in another scalar type (e.g. double for a reference).
   template <class U>
   GqaWeights<U> cast() const {
-    return {w_q.template cast<U>(), w_k.template cast<U>(), w_v.template cast<U>(),
-            w_o.template cast<U>(), b_q.template cast<U>(), b_k.template cast<U>(),
-            b_v.template cast<U>()};
+    return {w_q.template cast<U>(),   w_k.template cast<U>(),    w_v.template cast<U>(),
+            w_o.template cast<U>(),   bias_q.template cast<U>(), bias_k.template cast<U>(),
+            bias_v.template cast<U>()};
   }
 
   /// Throws shape_error unless every matrix matches `config`.
   void check(const GqaConfig& config) const {
     constexpr const char* where = "GqaWeights";
-    const Index q_width = config.n_heads * config.head_dim;
-    const Index kv_width = config.n_kv_heads * config.head_dim;
+    const Index q_width = config.query_width();
+    const Index kv_width = config.kv_width();
     detail::check_shape(where, "w_q", w_q, config.d_model, q_width);
     detail::check_shape(where, "w_k", w_k, config.d_model, kv_width);
     detail::check_shape(where, "w_v", w_v, config.d_model, kv_width);
     detail::check_shape(where, "w_o", w_o, q_width, config.d_model);
-    const Index bias_q = config.qkv_bias ? q_width : 0;
-    const Index bias_kv = config.qkv_bias ? kv_width : 0;
-    detail::check_shape(where, "b_q", b_q, bias_q == 0 ? -1 : 1, bias_q);
-    detail::check_shape(where, "b_k", b_k, bias_kv == 0 ? -1 : 1, bias_kv);
-    detail::check_shape(where, "b_v", b_v, bias_kv == 0 ? -1 : 1, bias_kv);
+    const Index q_bias = config.qkv_bias ? q_width : 0;
+    const Index kv_bias = config.qkv_bias ? kv_width : 0;
+    detail::check_shape(where, "bias_q", bias_q, q_bias == 0 ? -1 : 1, q_bias);
+    detail::check_shape(where, "bias_k", bias_k, kv_bias == 0 ? -1 : 1, kv_bias);
+    detail::check_shape(where, "bias_v", bias_v, kv_bias == 0 ? -1 : 1, kv_bias);
   }
 };
 
@@ -95,14 +96,24 @@ inline std::string describe(const GqaConfig& c) {
 }
 }  // namespace detail
 
-/// A GQA-family attention layer. Immutable after construction: one layer may be
-/// used from several threads at once, each thread decoding its own cache.
+/// A GQA-family attention layer (models AttentionLayer). Immutable after construction:
+/// one layer may be used from several threads at once, each with its own workspace.
 template <class T>
 class GqaLayer {
  public:
   using scalar_type = T;
+  using config_type = GqaConfig;
   template <class S = T>
   using cache_type = GqaCache<T, S>;
+
+  /// The scratch of decode and attend, owned by the caller: one per thread that calls
+  /// them at once. Sized by make_workspace for a thread count; a call at a larger thread
+  /// count (or with another layer's workspace) grows it first, which allocates.
+  struct Workspace {
+    RowVector<T> query, key, value, heads;  // 1 x H*d_h, n_kv*d_h, n_kv*d_h, H*d_h
+    RowVector<T> query_transposed;          // 1 x H*d_h: each group's heads, d_h x group
+    detail::SplitScratch<T> split;          // partial softmax states per thread
+  };
 
   /// Validates the config and the weights' shapes (config_error / shape_error).
   GqaLayer(const GqaConfig& config, GqaWeights<T> weights)
@@ -123,6 +134,10 @@ class GqaLayer {
   const Rope& rope() const { return rope_; }
   /// The scale multiplying q.k before the softmax.
   T softmax_scale() const { return scale_; }
+  /// Columns of attend's query: H * d_h (head h in columns [h*d_h, (h+1)*d_h)).
+  Index query_width() const { return config_.query_width(); }
+  /// Columns of attend's heads output: H * d_h.
+  Index heads_width() const { return config_.query_width(); }
 
   /// An empty cache for this layer, with room for `reserve_tokens`.
   template <class S = T>
@@ -130,66 +145,99 @@ class GqaLayer {
     return GqaCache<T, S>(config_, reserve_tokens);
   }
 
-  /// Causal prefill of L new tokens x (L x d) after the cache's tokens: appends their
-  /// K and V to the cache and returns the L x d output. Attention is tiled with an
-  /// online softmax, so memory is O(L * d + tile^2), never L x L.
+  /// A workspace sized for decode and attend at `threads`: with it they allocate nothing.
+  Workspace make_workspace(Threads threads = {}) const {
+    Workspace ws;
+    prepare(ws, 0, threads.resolved());
+    return ws;
+  }
+
+  /// Causal prefill of L new tokens x (L x d) after the cache's tokens: returns the
+  /// L x d output and appends their K and V to the cache. Attention is tiled with an
+  /// online softmax, so memory is O(L * d + tile^2), never L x L. The new rows are
+  /// appended last, after everything else is computed: a call that throws (bad shape,
+  /// allocation failure) leaves the cache as it was.
   ///
   /// With threads, the projections are split by output column and the attention by
-  /// query head.
+  /// (query head, query tile).
   template <class S>
   RowMatrix<T> prefill(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache,
                        Threads threads = {}) const {
-    check_cache(cache, "GqaLayer::prefill");
-    detail::check_shape("GqaLayer::prefill", "x", x, -1, config_.d_model);
+    constexpr const char* where = "GqaLayer::prefill";
+    check_cache(cache, where);
+    detail::check_shape(where, "x", x, -1, config_.d_model);
     const int thread_count = threads.resolved();
     const Index past = cache.tokens();
     const Index length = x.rows();
+    const Index dh = config_.head_dim;
     RowMatrix<T> query, key, value;
     project(x, past, query, key, value, thread_count);
-    cache.append(key, value);  // strong guarantee: on failure nothing changed
-    RowMatrix<T> heads(length, config_.n_heads * config_.head_dim);
-    attend_tiled(query, cache, past, heads, thread_count);
+    query *= scale_;
+    // The new keys and values as the cache will store them (rounded to S).
+    const Staged<S> staged(key, value);
+    const detail::CausalShape shape{past, past, dh, std::is_same_v<S, T> ? 0 : dh};
+    std::vector<detail::CausalScratch<T>> scratch(static_cast<std::size_t>(thread_count));
+    for (auto& s : scratch) s.fit(shape);
+    RowMatrix<T> heads(length, config_.query_width());
+    const Index query_tiles = (length + detail::kPrefillTile - 1) / detail::kPrefillTile;
+    detail::parallel_for(config_.n_heads * query_tiles, thread_count, [&](Index unit) {
+      const Index h = unit / query_tiles;
+      const Index q0 = (unit % query_tiles) * detail::kPrefillTile;
+      const Index g = h / config_.group_size();
+      const PrefillOps<S> ops{query.data() + h * dh, query.cols(), key_source(cache, staged, g),
+                              value_source(cache, staged, g), dh};
+      detail::causal_query_tile(shape, scratch[static_cast<std::size_t>(detail::thread_index())],
+                                ops, q0, std::min(detail::kPrefillTile, length - q0),
+                                heads.data() + q0 * heads.cols() + h * dh, heads.cols());
+    });
     RowMatrix<T> out(length, config_.d_model);
     detail::parallel_product(heads, weights_.w_o, out, thread_count);
+    cache.append(key, value);  // last: strong guarantee
     return out;
   }
 
   /// One new token x (1 x d) through the factored path: appends its K and V, attends
   /// over the whole cache and writes the 1 x d output into `out`. All query heads of
   /// a KV group are scored together against each tile of the group's keys, so each
-  /// cached element is read once per step (see attend). Allocates nothing once the
-  /// cache has capacity and has decoded at this thread count.
-  ///
-  /// x and out are taken as matrices so that a wrongly shaped argument (say 2 x d)
-  /// reaches the shape check instead of failing inside Eigen's conversion.
+  /// cached element is read once per step (see attend). Allocates nothing when the
+  /// cache has capacity and the workspace was made for at least this thread count. A
+  /// call that throws leaves the cache as it was (capacity included).
   template <class S>
-  void decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache, MatrixRef<T> out,
+  void decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache, MatrixRef<T> out, Workspace& ws,
               Threads threads = {}) const {
-    check_cache(cache, "GqaLayer::decode");
-    detail::check_shape("GqaLayer::decode", "x", x, 1, config_.d_model);
-    detail::check_shape("GqaLayer::decode", "out", out, 1, config_.d_model);
+    constexpr const char* where = "GqaLayer::decode";
+    check_cache(cache, where);
+    detail::check_shape(where, "x", x, 1, config_.d_model);
+    detail::check_shape(where, "out", out, 1, config_.d_model);
     const int thread_count = threads.resolved();
-    auto& ws = cache.workspace();
-    cache.ensure_capacity(cache.tokens() + 1);
     const auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    cache.grow_for(cache.tokens() + 1);
     // Everything that may throw is done; from here the step cannot fail.
     const Index position = cache.tokens();
     detail::parallel_product(x, weights_.w_q, ws.query, thread_count);
     detail::parallel_product(x, weights_.w_k, ws.key, thread_count);
     detail::parallel_product(x, weights_.w_v, ws.value, thread_count);
     if (config_.qkv_bias) {
-      ws.query += weights_.b_q;
-      ws.key += weights_.b_k;
-      ws.value += weights_.b_v;
+      ws.query += weights_.bias_q;
+      ws.key += weights_.bias_k;
+      ws.value += weights_.bias_v;
     }
     const double angle_position = static_cast<double>(config_.rope.position_offset + position);
     rope_.rotate(ws.key.data(), angle_position, config_.n_kv_heads, config_.head_dim);
-    cache.push_row(ws.key, ws.value);
+    cache.append_token(ws.key, ws.value);
     attend_prepared(cache, ws, plan, ws.heads.data());
     detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
   }
 
-  /// Convenience overload returning the 1 x d output (allocates the result).
+  /// decode with a workspace of its own (allocates one on every call).
+  template <class S>
+  void decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache, MatrixRef<T> out,
+              Threads threads = {}) const {
+    Workspace ws = make_workspace(threads);
+    decode(x, cache, out, ws, threads);
+  }
+
+  /// decode returning the 1 x d output (allocates it and a workspace on every call).
   template <class S>
   RowVector<T> decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache,
                       Threads threads = {}) const {
@@ -199,9 +247,10 @@ class GqaLayer {
   }
 
   /// The attention step alone, for the newest cached token (index tokens() - 1):
-  /// `query` (1 x H*d_h) is that token's projected query x W_Q (+ b_q) before RoPE;
+  /// `query` (1 x H*d_h) is that token's projected query x W_Q (+ bias_q) before RoPE;
   /// `heads` (1 x H*d_h) receives the per-head outputs o_h, before W_O. decode is
-  /// projections + append + attend + W_O. The cache is not modified.
+  /// projections + append + attend + W_O. The cache is only read: several threads may
+  /// attend over one const cache at once, each with its own workspace.
   ///
   /// Each KV group's query heads are scored against a tile of the group's keys with
   /// one small matrix product, the tile's softmax weights folded into a running
@@ -210,19 +259,25 @@ class GqaLayer {
   /// when there are fewer groups than threads the sequence is split too and the
   /// partial softmax states merged exactly (flash-decoding).
   template <class S>
-  void attend(const ConstMatrixRef<T>& query, GqaCache<T, S>& cache, MatrixRef<T> heads,
-              Threads threads = {}) const {
+  void attend(const ConstMatrixRef<T>& query, const GqaCache<T, S>& cache, MatrixRef<T> heads,
+              Workspace& ws, Threads threads = {}) const {
     constexpr const char* where = "GqaLayer::attend";
     check_cache(cache, where);
-    const Index q_width = config_.n_heads * config_.head_dim;
-    detail::check_shape(where, "query", query, 1, q_width);
-    detail::check_shape(where, "heads", heads, 1, q_width);
+    detail::check_shape(where, "query", query, 1, query_width());
+    detail::check_shape(where, "heads", heads, 1, heads_width());
     detail::require_tokens(where, cache.tokens());
     const int thread_count = threads.resolved();
-    auto& ws = cache.workspace();
     const auto plan = prepare(ws, cache.tokens(), thread_count);
     ws.query = query.row(0);
     attend_prepared(cache, ws, plan, heads.data());
+  }
+
+  /// attend with a workspace of its own (allocates one on every call).
+  template <class S>
+  void attend(const ConstMatrixRef<T>& query, const GqaCache<T, S>& cache, MatrixRef<T> heads,
+              Threads threads = {}) const {
+    Workspace ws = make_workspace(threads);
+    attend(query, cache, heads, ws, threads);
   }
 
   /// Tokens per tile of the decode pass: about 128 KiB of keys and values, so a tile
@@ -252,9 +307,9 @@ class GqaLayer {
     detail::parallel_product(x, weights_.w_k, key, threads);
     detail::parallel_product(x, weights_.w_v, value, threads);
     if (config_.qkv_bias) {
-      query.rowwise() += weights_.b_q;
-      key.rowwise() += weights_.b_k;
-      value.rowwise() += weights_.b_v;
+      query.rowwise() += weights_.bias_q;
+      key.rowwise() += weights_.bias_k;
+      value.rowwise() += weights_.bias_v;
     }
     for (Index i = 0; i < x.rows(); ++i) {
       const double position = static_cast<double>(config_.rope.position_offset + past + i);
@@ -263,11 +318,67 @@ class GqaLayer {
     }
   }
 
+  // A prefill's new keys and values in storage type S: the projections themselves
+  // when S is T, else rounded copies.
+  template <class S>
+  struct Staged {
+    RowMatrix<S> keys, values;  // empty when S is T
+    const S* key_data;
+    const S* value_data;
+    Staged(const RowMatrix<T>& key, const RowMatrix<T>& value) {
+      if constexpr (std::is_same_v<S, T>) {
+        key_data = key.data();
+        value_data = value.data();
+      } else {
+        keys = key.template cast<S>();
+        values = value.template cast<S>();
+        key_data = keys.data();
+        value_data = values.data();
+      }
+    }
+  };
+
+  template <class S>
+  detail::RowSource<S> key_source(const GqaCache<T, S>& cache, const Staged<S>& staged,
+                                  Index g) const {
+    const Index dh = config_.head_dim;
+    return {cache.key_row(g, 0), dh, staged.key_data + g * dh, config_.kv_width(), cache.tokens()};
+  }
+  template <class S>
+  detail::RowSource<S> value_source(const GqaCache<T, S>& cache, const Staged<S>& staged,
+                                    Index g) const {
+    const Index dh = config_.head_dim;
+    return {cache.value_row(g, 0), dh, staged.value_data + g * dh, config_.kv_width(),
+            cache.tokens()};
+  }
+
+  // One query head against its KV group's rows (causal_attention.hpp's ops).
+  template <class S>
+  struct PrefillOps {
+    const T* query;  // L x d_h (row stride query_stride), scaled and rotated
+    Index query_stride;
+    detail::RowSource<S> keys, values;
+    Index head_dim;
+
+    void score(Index q0, Index nq, Index k0, Index nk, T* scores, Index stride, T* buffer) const {
+      const auto k = detail::rows_as<T>(keys, k0, nk, 0, head_dim, buffer);
+      const detail::ConstRowsMap<T> q(query + q0 * query_stride, nq, head_dim,
+                                      Eigen::OuterStride<>(query_stride));
+      detail::RowsMap<T>(scores, nq, nk, Eigen::OuterStride<>(stride)).noalias() =
+          q * k.transpose();
+    }
+    void accumulate(Index, Index nq, Index k0, Index nk, const T* weights, Index stride, T* acc,
+                    Index acc_stride, T* buffer) const {
+      const auto v = detail::rows_as<T>(values, k0, nk, 0, head_dim, buffer);
+      detail::RowsMap<T>(acc, nq, head_dim, Eigen::OuterStride<>(acc_stride)).noalias() +=
+          detail::ConstRowsMap<T>(weights, nq, nk, Eigen::OuterStride<>(stride)) * v;
+    }
+  };
+
   // Sizes the workspace for a step over `length` tokens; may allocate and throw.
-  template <class Workspace>
   detail::SplitPlan prepare(Workspace& ws, Index length, int threads) const {
-    const Index q_width = config_.n_heads * config_.head_dim;
-    const Index kv_width = config_.n_kv_heads * config_.head_dim;
+    const Index q_width = config_.query_width();
+    const Index kv_width = config_.kv_width();
     detail::reshape(ws.query, q_width);
     detail::reshape(ws.query_transposed, q_width);
     detail::reshape(ws.heads, q_width);
@@ -312,7 +423,7 @@ class GqaLayer {
 
   // The attention of the newest token with ws.query (projected, not yet rotated) into
   // `heads` (H * d_h scalars). Never throws: prepare() has sized everything.
-  template <class S, class Workspace>
+  template <class S>
   void attend_prepared(const GqaCache<T, S>& cache, Workspace& ws, const detail::SplitPlan& plan,
                        T* heads) const {
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
@@ -332,26 +443,14 @@ class GqaLayer {
     detail::split_attention(plan, ws.split, ops, heads);
   }
 
-  // Causal attention of `query` (the L new tokens, at cache indices past ...
-  // past+L-1) over the cache, one query head at a time against its KV head's rows,
-  // tiled with an online softmax (detail/causal_attention.hpp).
-  template <class S>
-  void attend_tiled(const RowMatrix<T>& query, const GqaCache<T, S>& cache, Index past,
-                    RowMatrix<T>& heads, int threads) const {
-    const Index dh = config_.head_dim;
-    detail::parallel_for(config_.n_heads, threads, [&](Index h) {
-      const Index g = h / config_.group_size();
-      detail::causal_attention<T>(query.middleCols(h * dh, dh), cache.keys(g).template cast<T>(),
-                                  cache.values(g).template cast<T>(), past, scale_,
-                                  heads.middleCols(h * dh, dh));
-    });
-  }
-
   GqaConfig config_;
   GqaWeights<T> weights_;
   Rope rope_;
   T scale_ = T(1);
 };
+
+static_assert(AttentionLayer<GqaLayer<float>>);
+static_assert(AttentionLayer<GqaLayer<double>>);
 
 /// Named aliases: MHA is GQA with n_kv_heads == n_heads (see mha_config), MQA is
 /// GQA with n_kv_heads == 1 (see mqa_config).

@@ -34,9 +34,11 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
-#include "kvattn/attention/mla_config.hpp"
+#include "kvattn/attention/attention_layer.hpp"
 #include "kvattn/cache/mla_cache.hpp"
+#include "kvattn/config/mla_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rms_norm.hpp"
@@ -46,6 +48,7 @@
 #include "kvattn/core/yarn.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
@@ -140,14 +143,31 @@ inline std::string describe(const MlaConfig& c) {
 
 }  // namespace detail
 
-/// An MLA layer. Immutable after construction: one layer may be used from several
-/// threads at once, each thread decoding its own cache.
+/// An MLA layer (models AttentionLayer). Immutable after construction: one layer may be
+/// used from several threads at once, each with its own workspace.
 template <class T>
 class MlaLayer {
  public:
   using scalar_type = T;
+  using config_type = MlaConfig;
   template <class S = T>
   using cache_type = MlaCache<T, S>;
+
+  /// The scratch of decode and attend, owned by the caller: one per thread that calls
+  /// them at once. Its size does not depend on the number of tokens. Sized by
+  /// make_workspace for a thread count; a call at a larger thread count (or with another
+  /// layer's workspace) grows it first, which allocates.
+  struct Workspace {
+    RowVector<T> q_latent;             // 1 x d_c'            c_q (with query compression)
+    RowVector<T> query;                // 1 x H*(d_nope+d_R)  [q_h^nope | q_h^R] per head
+    RowVector<T> latent;               // 1 x d_c             the new token's c_kv
+    RowVector<T> rope_key;             // 1 x d_R             the new token's k_R
+    RowMatrix<T> absorbed;             // H x (d_c+d_R)  scale * [q_h^nope W_UK_h^T | q_h^R]
+    RowMatrix<T> absorbed_transposed;  // (d_c+d_R) x H  the same, one column per head
+    RowMatrix<T> latent_heads;         // H x d_c        o-bar_h = sum_t a_h,t c_t
+    RowVector<T> heads;                // 1 x H*d_v      o_h = o-bar_h W_UV_h, all heads
+    detail::SplitScratch<T> split;     // partial softmax states per thread
+  };
 
   /// Validates the config and the weights' shapes (config_error / shape_error).
   MlaLayer(const MlaConfig& config, MlaWeights<T> weights)
@@ -169,6 +189,11 @@ class MlaLayer {
   const Rope& rope() const { return rope_; }
   /// The scale multiplying every logit: 1/sqrt(d_nope + d_R) * m^2, stored explicitly.
   T softmax_scale() const { return scale_; }
+  /// Columns of attend's query: H * (d_nope + d_R), head h's [q_h^nope | q_h^R] in
+  /// columns [h*(d_nope+d_R), (h+1)*(d_nope+d_R)).
+  Index query_width() const { return config_.query_width(); }
+  /// Columns of attend's heads output: H * d_v.
+  Index heads_width() const { return config_.n_heads * config_.v_dim; }
 
   /// An empty cache for this layer, with room for `reserve_tokens`.
   template <class S = T>
@@ -176,56 +201,68 @@ class MlaLayer {
     return MlaCache<T, S>(config_, reserve_tokens);
   }
 
-  /// Causal prefill of L new tokens x (L x d) after the cache's tokens: appends their
-  /// latents and rope keys to the cache and returns the L x d output. `mode` picks the
+  /// A workspace sized for decode and attend at `threads`: with it they allocate nothing.
+  Workspace make_workspace(Threads threads = {}) const {
+    Workspace ws;
+    prepare(ws, 0, threads.resolved());
+    return ws;
+  }
+
+  /// Causal prefill of L new tokens x (L x d) after the cache's tokens: returns the L x d
+  /// output and appends their latents and rope keys to the cache. `mode` picks the
   /// formulation (see MlaPrefill and docs/mla.md); both are exact, tiled with an online
-  /// softmax, and never build an L x L matrix.
+  /// softmax, and never build an L x L matrix. The new rows are appended last: a call
+  /// that throws leaves the cache as it was.
   /// With threads, the large projections are split by output column and the
   /// attention by head.
   template <class S>
-  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache,
-                       MlaPrefill mode = MlaPrefill::automatic, Threads threads = {}) const {
-    check_cache(cache, "MlaLayer::prefill");
-    detail::check_shape("MlaLayer::prefill", "x", x, -1, config_.d_model);
+  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache, Threads threads = {},
+                       MlaPrefill mode = MlaPrefill::automatic) const {
+    constexpr const char* where = "MlaLayer::prefill";
+    check_cache(cache, where);
+    detail::check_shape(where, "x", x, -1, config_.d_model);
+    if (mode != MlaPrefill::automatic && mode != MlaPrefill::expanded &&
+        mode != MlaPrefill::absorbed) {
+      throw config_error(std::string(where) + ": mode (" + std::to_string(static_cast<int>(mode)) +
+                         ") is not an MlaPrefill (automatic, expanded or absorbed)");
+    }
     const int thread_count = threads.resolved();
     const Index past = cache.tokens();
     const Index length = x.rows();
     RowMatrix<T> query, latent, rope_keys;
     project(x, past, query, latent, rope_keys, thread_count);
-    cache.append(latent, rope_keys);  // strong guarantee: on failure nothing changed
-    RowMatrix<T> heads(length, config_.n_heads * config_.v_dim);
+    RowMatrix<T> heads(length, heads_width());
     if (length > 0) {
+      // The new rows as the cache will store them: [c_kv | k_R] rounded to S.
+      RowMatrix<S> fresh(length, config_.cache_elements_per_token());
+      fresh.leftCols(config_.kv_rank) = latent.template cast<S>();
+      fresh.rightCols(config_.rope_dim) = rope_keys.template cast<S>();
       if (prefill_mode(mode, past, length) == MlaPrefill::absorbed) {
-        attend_absorbed_prefill(query, cache, past, heads, thread_count);
+        attend_absorbed_prefill(query, cache, fresh, heads, thread_count);
       } else {
-        attend_expanded_prefill(query, cache, past, heads, thread_count);
+        attend_expanded_prefill(query, cache, fresh, heads, thread_count);
       }
     }
     RowMatrix<T> out(length, config_.d_model);
     detail::parallel_product(heads, weights_.w_o, out, thread_count);
+    cache.append(latent, rope_keys);  // last: strong guarantee
     return out;
   }
 
-  /// prefill(x, cache, MlaPrefill::automatic, threads).
-  template <class S>
-  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache, Threads threads) const {
-    return prefill(x, cache, MlaPrefill::automatic, threads);
-  }
-
-  /// The formulation prefill(x, cache, mode) uses for `length` new tokens after `past`
-  /// cached ones: `mode` itself unless automatic, else the cheaper in FLOPs. Expanded
-  /// reconstructs K and V for every visible token once per call (H * (past + L) * d_c *
-  /// (d_nope + d_v) multiply-adds) and then attends at width d_nope + d_R + d_v per
-  /// query/key pair; absorbed maps each new query into the latent (H * L * d_c *
-  /// (d_nope + d_v)) and then attends at width 2 d_c + d_R per pair. A fresh prompt
-  /// therefore goes expanded, a few tokens after a long cache absorbed.
+  /// The formulation prefill(x, cache, threads, mode) uses for `length` new tokens
+  /// after `past` cached ones: `mode` itself unless automatic, else the cheaper in
+  /// FLOPs. Expanded reconstructs K and V for every visible token once per call
+  /// (H * (past + L) * d_c * (d_nope + d_v) multiply-adds) and then attends at width
+  /// d_nope + d_R + d_v per query/key pair; absorbed maps each new query into the latent
+  /// (H * L * d_c * (d_nope + d_v)) and then attends at width 2 d_c + d_R per pair. A
+  /// fresh prompt therefore goes expanded, a few tokens after a long cache absorbed.
   MlaPrefill prefill_mode(MlaPrefill mode, Index past, Index length) const {
     if (mode != MlaPrefill::automatic) return mode;
     const auto& c = config_;
     const double queries = static_cast<double>(length);
-    const double keys = static_cast<double>(past + length);
+    const double keys = static_cast<double>(past) + queries;
     const double pairs = queries * static_cast<double>(past) + queries * (queries + 1.0) / 2.0;
-    const double up = static_cast<double>(c.kv_rank * (c.qk_nope_dim + c.v_dim));
+    const double up = static_cast<double>(c.kv_rank) * static_cast<double>(c.qk_nope_dim + c.v_dim);
     const double expanded =
         keys * up + pairs * static_cast<double>(c.qk_nope_dim + c.rope_dim + c.v_dim);
     const double absorbed = queries * up + pairs * static_cast<double>(2 * c.kv_rank + c.rope_dim);
@@ -235,29 +272,38 @@ class MlaLayer {
   /// One new token x (1 x d) through the absorbed path: appends its latent and rope
   /// key, attends over the whole cache (see attend) and writes the 1 x d output into
   /// `out`. No per-head key or value of a cached token is ever formed. Allocates
-  /// nothing once the cache has capacity and has decoded at this thread count. On an
-  /// empty cache the token attends to itself only (the result equals a one-token
-  /// prefill).
+  /// nothing when the cache has capacity and the workspace was made for at least this
+  /// thread count. A call that throws leaves the cache as it was (capacity included).
+  /// On an empty cache the token attends to itself only (as a one-token prefill).
   template <class S>
-  void decode(const ConstRowRef<T>& x, MlaCache<T, S>& cache, RowRef<T> out,
+  void decode(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache, MatrixRef<T> out, Workspace& ws,
               Threads threads = {}) const {
-    check_cache(cache, "MlaLayer::decode");
-    detail::check_shape("MlaLayer::decode", "x", x, 1, config_.d_model);
-    detail::check_shape("MlaLayer::decode", "out", out, 1, config_.d_model);
+    constexpr const char* where = "MlaLayer::decode";
+    check_cache(cache, where);
+    detail::check_shape(where, "x", x, 1, config_.d_model);
+    detail::check_shape(where, "out", out, 1, config_.d_model);
     const int thread_count = threads.resolved();
-    auto& ws = cache.workspace();
-    cache.ensure_capacity(cache.tokens() + 1);
     const auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    cache.grow_for(cache.tokens() + 1);
     // Everything that may throw is done; from here the step cannot fail.
     project_token(x, cache.tokens(), ws);
-    cache.push_row(ws.latent, ws.rope_key);
+    cache.append_token(ws.latent, ws.rope_key);
     attend_prepared(cache, ws, plan, ws.heads.data(), thread_count);
     detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
   }
 
-  /// Convenience overload returning the 1 x d output (allocates the result).
+  /// decode with a workspace of its own (allocates one on every call).
   template <class S>
-  RowVector<T> decode(const ConstRowRef<T>& x, MlaCache<T, S>& cache, Threads threads = {}) const {
+  void decode(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache, MatrixRef<T> out,
+              Threads threads = {}) const {
+    Workspace ws = make_workspace(threads);
+    decode(x, cache, out, ws, threads);
+  }
+
+  /// decode returning the 1 x d output (allocates it and a workspace on every call).
+  template <class S>
+  RowVector<T> decode(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache,
+                      Threads threads = {}) const {
     RowVector<T> out(config_.d_model);
     decode(x, cache, out, threads);
     return out;
@@ -267,7 +313,8 @@ class MlaLayer {
   /// `query` (1 x H*(d_nope + d_R)) is that token's projected query [q_h^nope | q_h^R]
   /// per head, before RoPE; `heads` (1 x H*d_v) receives the per-head outputs o_h,
   /// before W_O. The run-time absorption through W_UK and W_UV is part of the step.
-  /// The cache is not modified.
+  /// The cache is only read: several threads may attend over one const cache at once,
+  /// each with its own workspace.
   ///
   /// The absorbed step (seed 000, backup slide "MLA also admits associative
   /// computation": q K^T = (q W_UK^T) Z^T and a V = (a Z) W_UV): each head's content
@@ -279,15 +326,14 @@ class MlaLayer {
   /// them and the partial softmax states merged exactly (flash-decoding); the
   /// absorptions are split by head.
   template <class S>
-  void attend(const ConstMatrixRef<T>& query, MlaCache<T, S>& cache, MatrixRef<T> heads,
-              Threads threads = {}) const {
+  void attend(const ConstMatrixRef<T>& query, const MlaCache<T, S>& cache, MatrixRef<T> heads,
+              Workspace& ws, Threads threads = {}) const {
     constexpr const char* where = "MlaLayer::attend";
     check_cache(cache, where);
-    detail::check_shape(where, "query", query, 1, config_.query_width());
-    detail::check_shape(where, "heads", heads, 1, config_.n_heads * config_.v_dim);
+    detail::check_shape(where, "query", query, 1, query_width());
+    detail::check_shape(where, "heads", heads, 1, heads_width());
     detail::require_tokens(where, cache.tokens());
     const int thread_count = threads.resolved();
-    auto& ws = cache.workspace();
     const auto plan = prepare(ws, cache.tokens(), thread_count);
     ws.query = query.row(0);
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
@@ -296,10 +342,18 @@ class MlaLayer {
     attend_prepared(cache, ws, plan, heads.data(), thread_count);
   }
 
+  /// attend with a workspace of its own (allocates one on every call).
+  template <class S>
+  void attend(const ConstMatrixRef<T>& query, const MlaCache<T, S>& cache, MatrixRef<T> heads,
+              Threads threads = {}) const {
+    Workspace ws = make_workspace(threads);
+    attend(query, cache, heads, ws, threads);
+  }
+
   /// Tokens per tile of the decode pass: about 64 KiB of cached rows, so a tile read
   /// from memory stays in L1/L2 while every head is scored and accumulated against it.
   Index decode_tile() const {
-    const Index row_bytes = config_.cache_width() * static_cast<Index>(sizeof(T));
+    const Index row_bytes = config_.cache_elements_per_token() * static_cast<Index>(sizeof(T));
     return std::clamp<Index>((Index{64} * 1024 / row_bytes) / 8 * 8, 8, 256);
   }
 
@@ -346,8 +400,7 @@ class MlaLayer {
   }
 
   // The same for one token into the workspace (no allocation).
-  template <class Workspace>
-  void project_token(const ConstRowRef<T>& x, Index index, Workspace& ws) const {
+  void project_token(const ConstMatrixRef<T>& x, Index index, Workspace& ws) const {
     const MlaConfig& c = config_;
     if (c.q_rank > 0) {
       ws.q_latent.noalias() = x * weights_.w_dq;
@@ -369,19 +422,17 @@ class MlaLayer {
   }
 
   // Sizes the workspace for a step over `length` tokens; may allocate and throw.
-  template <class Workspace>
   detail::SplitPlan prepare(Workspace& ws, Index length, int threads) const {
     const MlaConfig& c = config_;
-    auto fit_row = [](RowVector<T>& v, Index n) { detail::reshape(v, n); };
-    auto fit = [](RowMatrix<T>& m, Index rows, Index cols) { detail::reshape(m, rows, cols); };
-    fit_row(ws.q_latent, c.q_rank);
-    fit_row(ws.query, c.query_width());
-    fit_row(ws.latent, c.kv_rank);
-    fit_row(ws.rope_key, c.rope_dim);
-    fit(ws.absorbed, c.n_heads, c.cache_width());
-    fit(ws.absorbed_transposed, c.cache_width(), c.n_heads);
-    fit(ws.latent_heads, c.n_heads, c.kv_rank);
-    fit_row(ws.heads, c.n_heads * c.v_dim);
+    const Index width = c.cache_elements_per_token();
+    detail::reshape(ws.q_latent, c.q_rank);
+    detail::reshape(ws.query, c.query_width());
+    detail::reshape(ws.latent, c.kv_rank);
+    detail::reshape(ws.rope_key, c.rope_dim);
+    detail::reshape(ws.absorbed, c.n_heads, width);
+    detail::reshape(ws.absorbed_transposed, width, c.n_heads);
+    detail::reshape(ws.latent_heads, c.n_heads, c.kv_rank);
+    detail::reshape(ws.heads, c.n_heads * c.v_dim);
     const auto plan =
         detail::plan_split(1, c.n_heads, c.kv_rank, length, decode_tile(), 0, threads);
     ws.split.fit(plan);
@@ -413,7 +464,7 @@ class MlaLayer {
 
   // The absorbed step for the newest token; ws.query holds its rotated query. Never
   // throws: prepare() has sized everything.
-  template <class S, class Workspace>
+  template <class S>
   void attend_prepared(const MlaCache<T, S>& cache, Workspace& ws, const detail::SplitPlan& plan,
                        T* heads, int threads) const {
     const MlaConfig& c = config_;
@@ -429,8 +480,9 @@ class MlaLayer {
     });
     ws.absorbed_transposed = ws.absorbed.transpose();
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
-    const DecodeOps<S> ops{cache, ws.absorbed.data(), ws.absorbed_transposed.data(), c.n_heads,
-                           dc,    c.cache_width()};
+    const DecodeOps<S> ops{
+        cache, ws.absorbed.data(),          ws.absorbed_transposed.data(), c.n_heads,
+        dc,    c.cache_elements_per_token()};
     detail::split_attention(plan, ws.split, ops, ws.latent_heads.data());
     // 3. Up-project each head's latent output by its own W_UV_h: o_h = o-bar_h W_UV_h.
     detail::parallel_for(c.n_heads, threads, [&](Index h) {
@@ -439,27 +491,96 @@ class MlaLayer {
     });
   }
 
+  // Queries of one head (scaled) against keys and values given as T matrices
+  // (causal_attention.hpp's ops): expanded prefill's reconstructed K_h, V_h.
+  struct DenseOps {
+    const T* query;  // L x k_dim, row stride query_stride
+    Index query_stride;
+    const RowMatrix<T>& keys;    // keys x k_dim
+    const RowMatrix<T>& values;  // keys x v_dim
+
+    void score(Index q0, Index nq, Index k0, Index nk, T* scores, Index stride, T*) const {
+      const detail::ConstRowsMap<T> q(query + q0 * query_stride, nq, keys.cols(),
+                                      Eigen::OuterStride<>(query_stride));
+      detail::RowsMap<T>(scores, nq, nk, Eigen::OuterStride<>(stride)).noalias() =
+          q * keys.middleRows(k0, nk).transpose();
+    }
+    void accumulate(Index, Index nq, Index k0, Index nk, const T* weights, Index stride, T* acc,
+                    Index acc_stride, T*) const {
+      detail::RowsMap<T>(acc, nq, values.cols(), Eigen::OuterStride<>(acc_stride)).noalias() +=
+          detail::ConstRowsMap<T>(weights, nq, nk, Eigen::OuterStride<>(stride)) *
+          values.middleRows(k0, nk);
+    }
+  };
+
+  // Absorbed queries of one head (scaled) against the cached and new rows [c_t | k_R,t]
+  // themselves; the values are the rows' latent columns.
+  template <class S>
+  struct LatentOps {
+    const RowMatrix<T>& absorbed;  // L x (d_c + d_R)
+    detail::RowSource<S> rows;
+    Index kv_rank;
+
+    void score(Index q0, Index nq, Index k0, Index nk, T* scores, Index stride, T* buffer) const {
+      const auto k = detail::rows_as<T>(rows, k0, nk, 0, absorbed.cols(), buffer);
+      detail::RowsMap<T>(scores, nq, nk, Eigen::OuterStride<>(stride)).noalias() =
+          absorbed.middleRows(q0, nq) * k.transpose();
+    }
+    void accumulate(Index, Index nq, Index k0, Index nk, const T* weights, Index stride, T* acc,
+                    Index acc_stride, T* buffer) const {
+      const auto v = detail::rows_as<T>(rows, k0, nk, 0, kv_rank, buffer);
+      detail::RowsMap<T>(acc, nq, kv_rank, Eigen::OuterStride<>(acc_stride)).noalias() +=
+          detail::ConstRowsMap<T>(weights, nq, nk, Eigen::OuterStride<>(stride)) * v;
+    }
+  };
+
+  // Causal attention of every query tile of one unit with `ops`, into out (L rows).
+  template <class Ops>
+  static void attend_all_tiles(const detail::CausalShape& shape, detail::CausalScratch<T>& scratch,
+                               const Ops& ops, Index length, T* out, Index out_stride) {
+    for (Index q0 = 0; q0 < length; q0 += detail::kPrefillTile) {
+      detail::causal_query_tile(shape, scratch, ops, q0,
+                                std::min(detail::kPrefillTile, length - q0), out + q0 * out_stride,
+                                out_stride);
+    }
+  }
+
   // Expanded prefill ("reconstruct, then attend", seed 002 Chapter 2): per head,
   // K_h = [C W_UK_h | K_R] and V_h = C W_UV_h for every visible token, then tiled
   // causal attention. Compute-friendly: big matrix products, width d_nope + d_R.
   template <class S>
-  void attend_expanded_prefill(const RowMatrix<T>& query, const MlaCache<T, S>& cache, Index past,
-                               RowMatrix<T>& heads, int threads) const {
+  void attend_expanded_prefill(const RowMatrix<T>& query, const MlaCache<T, S>& cache,
+                               const RowMatrix<S>& fresh, RowMatrix<T>& heads, int threads) const {
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
     const Index dn = c.qk_nope_dim;
     const Index dr = c.rope_dim;
     const Index qd = c.qk_head_dim();
-    const RowMatrix<T> rows = cache.rows().template cast<T>();
+    const Index past = cache.tokens();
+    const Index length = query.rows();
+    RowMatrix<T> rows(past + length, c.cache_elements_per_token());
+    rows.topRows(past) = cache.rows().template cast<T>();
+    rows.bottomRows(length) = fresh.template cast<T>();
     const auto latent = rows.leftCols(dc);
+    const RowMatrix<T> scaled = query * scale_;
+    const detail::CausalShape shape{past, 0, c.v_dim, 0};
+    struct PerThread {
+      RowMatrix<T> key, value;
+      detail::CausalScratch<T> scratch;
+    };
+    std::vector<PerThread> per_thread(static_cast<std::size_t>(threads));
+    for (auto& p : per_thread) {
+      p.key.resize(past + length, qd);
+      p.value.resize(past + length, c.v_dim);
+      p.scratch.fit(shape);
+    }
     detail::parallel_for(c.n_heads, threads, [&](Index h) {
-      RowMatrix<T> key(rows.rows(), qd);
-      RowMatrix<T> value(rows.rows(), c.v_dim);
-      key.rightCols(dr) = rows.rightCols(dr);
-      key.leftCols(dn).noalias() = latent * weights_.w_uk.middleCols(h * dn, dn);
-      value.noalias() = latent * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
-      detail::causal_attention<T>(query.middleCols(h * qd, qd), key, value, past, scale_,
-                                  heads.middleCols(h * c.v_dim, c.v_dim));
+      auto& p = per_thread[static_cast<std::size_t>(detail::thread_index())];
+      p.key.rightCols(dr) = rows.rightCols(dr);
+      p.key.leftCols(dn).noalias() = latent * weights_.w_uk.middleCols(h * dn, dn);
+      p.value.noalias() = latent * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
+      const DenseOps ops{scaled.data() + h * qd, scaled.cols(), p.key, p.value};
+      attend_all_tiles(shape, p.scratch, ops, length, heads.data() + h * c.v_dim, heads.cols());
     });
   }
 
@@ -467,24 +588,37 @@ class MlaLayer {
   // rows, values the latents, then o_h = o-bar_h W_UV_h. Cheaper when few new tokens
   // attend to a long cache.
   template <class S>
-  void attend_absorbed_prefill(const RowMatrix<T>& query, const MlaCache<T, S>& cache, Index past,
-                               RowMatrix<T>& heads, int threads) const {
+  void attend_absorbed_prefill(const RowMatrix<T>& query, const MlaCache<T, S>& cache,
+                               const RowMatrix<S>& fresh, RowMatrix<T>& heads, int threads) const {
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
     const Index dn = c.qk_nope_dim;
     const Index dr = c.rope_dim;
     const Index qd = c.qk_head_dim();
+    const Index width = c.cache_elements_per_token();
+    const Index past = cache.tokens();
     const Index length = query.rows();
-    const RowMatrix<T> rows = cache.rows().template cast<T>();
+    const detail::RowSource<S> rows{cache.row_data(0), width, fresh.data(), width, past};
+    const detail::CausalShape shape{past, past, dc, std::is_same_v<S, T> ? 0 : width};
+    struct PerThread {
+      RowMatrix<T> absorbed, latent_out;
+      detail::CausalScratch<T> scratch;
+    };
+    std::vector<PerThread> per_thread(static_cast<std::size_t>(threads));
+    for (auto& p : per_thread) {
+      p.absorbed.resize(length, width);
+      p.latent_out.resize(length, dc);
+      p.scratch.fit(shape);
+    }
     detail::parallel_for(c.n_heads, threads, [&](Index h) {
-      RowMatrix<T> absorbed(length, c.cache_width());
-      RowMatrix<T> latent_out(length, dc);
-      absorbed.leftCols(dc).noalias() =
-          query.middleCols(h * qd, dn) * weights_.w_uk.middleCols(h * dn, dn).transpose();
-      absorbed.rightCols(dr) = query.middleCols(h * qd + dn, dr);
-      detail::causal_attention<T>(absorbed, rows, rows.leftCols(dc), past, scale_, latent_out);
+      auto& p = per_thread[static_cast<std::size_t>(detail::thread_index())];
+      p.absorbed.leftCols(dc).noalias() =
+          scale_ * query.middleCols(h * qd, dn) * weights_.w_uk.middleCols(h * dn, dn).transpose();
+      p.absorbed.rightCols(dr) = scale_ * query.middleCols(h * qd + dn, dr);
+      const LatentOps<S> ops{p.absorbed, rows, dc};
+      attend_all_tiles(shape, p.scratch, ops, length, p.latent_out.data(), dc);
       heads.middleCols(h * c.v_dim, c.v_dim).noalias() =
-          latent_out * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
+          p.latent_out * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
     });
   }
 
@@ -493,5 +627,8 @@ class MlaLayer {
   Rope rope_;
   T scale_ = T(1);
 };
+
+static_assert(AttentionLayer<MlaLayer<float>>);
+static_assert(AttentionLayer<MlaLayer<double>>);
 
 }  // namespace kvattn

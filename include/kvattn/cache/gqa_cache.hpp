@@ -4,21 +4,24 @@
 #include <cstddef>
 #include <string>
 
-#include "kvattn/attention/gqa_config.hpp"
 #include "kvattn/cache/kv_cache.hpp"
 #include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/config/gqa_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
-#include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
+
+template <class T>
+class GqaLayer;
 
 /// Per token: K and V (already rotated by RoPE) for each of the n_kv KV heads,
 /// 2 * n_kv * d_h elements of storage type S. Each KV head's keys are one dense
 /// `tokens x d_h` block, so decode streams them once per step for the whole group.
 ///
 /// T is the compute type of the layer that fills it; S (default T) the storage type.
-/// A cache belongs to one sequence and one thread at a time; copying forks it.
+/// A cache holds tokens only (no kernel scratch): several threads may read one const
+/// cache at once; a thread that appends must be the only one using it. Copying forks it.
 template <class T, class S = T>
 class GqaCache {
  public:
@@ -67,14 +70,15 @@ class GqaCache {
     truncate_unchecked(n);
   }
 
+  /// Appends n tokens of keys and values (rows_type). Strong exception guarantee.
   void append(const rows_type& rows) { append(rows.keys, rows.values); }
 
   /// Appends n tokens of keys and values (n x (n_kv * d_h) each).
   void append(const ConstMatrixRef<T>& keys, const ConstMatrixRef<T>& values) {
-    const Index width = config_.n_kv_heads * config_.head_dim;
+    const Index width = config_.kv_width();
     detail::check_shape("GqaCache::append", "keys", keys, -1, width);
     detail::check_shape("GqaCache::append", "values", values, keys.rows(), width);
-    ensure_capacity(tokens() + keys.rows());
+    grow_for(tokens() + keys.rows());
     keys_.write_rows(keys);
     values_.write_rows(values);
     keys_.commit(keys.rows());
@@ -88,36 +92,28 @@ class GqaCache {
   const S* key_row(Index g, Index t) const { return keys_.row(g, t); }
   const S* value_row(Index g, Index t) const { return values_.row(g, t); }
 
-  /// Scratch of the decode step, owned by the cache because a cache belongs to one
-  /// sequence and one thread at a time: decode then allocates nothing once the cache
-  /// has capacity, and a layer stays immutable. Not counted in bytes().
-  struct Workspace {
-    using storage_type = S;
-    RowVector<T> query, key, value, heads;  // 1 x H*d_h, n_kv*d_h, n_kv*d_h, H*d_h
-    RowVector<T> query_transposed;          // 1 x H*d_h: each group's heads, d_h x group
-    detail::SplitScratch<T> split;          // tiles, partial softmax states per thread
-  };
-  Workspace& workspace() noexcept { return workspace_; }
+ private:
+  friend class GqaLayer<T>;
 
-  /// Grows geometrically to hold `needed` tokens. Strong exception guarantee.
-  void ensure_capacity(Index needed) {
+  static const GqaConfig& validated(const GqaConfig& config) {
+    config.validate();
+    return config;
+  }
+
+  // Grows geometrically to hold `needed` tokens. Strong exception guarantee.
+  void grow_for(Index needed) {
     if (needed > capacity()) reserve(detail::grown_capacity(capacity(), needed));
   }
 
-  /// Internal: writes one token's keys/values (after ensure_capacity); never throws.
+  // Writes and counts one token (1 x n_kv*d_h rows); requires capacity; never throws.
   template <class KeyRow, class ValueRow>
-  void push_row(const KeyRow& key, const ValueRow& value) noexcept {
+  void append_token(const KeyRow& key, const ValueRow& value) noexcept {
     keys_.write_rows(key);
     values_.write_rows(value);
     keys_.commit(1);
     values_.commit(1);
   }
 
- private:
-  static const GqaConfig& validated(const GqaConfig& config) {
-    config.validate();
-    return config;
-  }
   void truncate_unchecked(Index n) noexcept {
     keys_.set_tokens(n);
     values_.set_tokens(n);
@@ -126,7 +122,6 @@ class GqaCache {
   GqaConfig config_;
   TokenBuffer<S> keys_;
   TokenBuffer<S> values_;
-  Workspace workspace_;
 };
 
 static_assert(detail::check_kv_cache<GqaCache<float>>());

@@ -1,18 +1,21 @@
 // The KV cache of LRKV: shared K_s, V_s and each head's latents R_h^K, R_h^V.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <string>
 #include <type_traits>
 
-#include "kvattn/attention/lrkv_config.hpp"
 #include "kvattn/cache/kv_cache.hpp"
 #include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/config/lrkv_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
-#include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
+
+template <class T>
+class LrkvLayer;
 
 /// Per token (seed 000, Eqs. 4-5 and the cache table):
 ///   key row    [ k~_s,t (d_h) | r~_1,t ... r~_H,t (r each) | k~_R,t (d_R, decoupled) ]
@@ -33,7 +36,8 @@ namespace kvattn {
 ///             so a double cache stays exact to double precision.
 ///
 /// T is the compute type of the layer that fills it; S (default T) the storage type.
-/// A cache belongs to one sequence and one thread at a time; copying forks it.
+/// A cache holds tokens only (no kernel scratch): several threads may read one const
+/// cache at once; a thread that appends must be the only one using it. Copying forks it.
 template <class T, class S = T>
 class LrkvCache {
  public:
@@ -50,7 +54,8 @@ class LrkvCache {
   ///   residual_keys   n x (H * r)    r~_h, head h in columns [h*r, (h+1)*r)
   ///   residual_values n x (H * r)    r^V_h, same layout
   ///   rope_keys       n x d_R        k~_R (decoupled), n x 0 otherwise
-  ///   key_rms         n x H          rho_h (key_norm, each > 0), n x 0 otherwise
+  ///   key_rms         n x H          rho_h (key_norm, each finite and > 0; append
+  ///                                  refuses anything else), n x 0 otherwise
   struct rows_type {
     ConstMatrixRef<T> shared_keys;
     ConstMatrixRef<T> shared_values;
@@ -103,20 +108,18 @@ class LrkvCache {
   /// Appends n tokens of raw rows (shapes above). Strong exception guarantee.
   void append(const rows_type& rows) {
     constexpr const char* where = "LrkvCache::append";
-    const Index n = rows.shared_keys.rows();
-    const Index dh = config_.head_dim;
-    const Index hr = config_.n_heads * config_.rank;
-    detail::check_shape(where, "shared_keys", rows.shared_keys, -1, dh);
-    detail::check_shape(where, "shared_values", rows.shared_values, n, dh);
-    detail::check_shape(where, "residual_keys", rows.residual_keys, n, hr);
-    detail::check_shape(where, "residual_values", rows.residual_values, n, hr);
-    detail::check_shape(where, "rope_keys", rows.rope_keys, n, config_.decoupled_dim());
-    detail::check_shape(where, "key_rms", rows.key_rms, n, config_.key_norm ? config_.n_heads : 0);
-    ensure_capacity(tokens() + n);
-    for (Index t = 0; t < n; ++t) {
-      write_token(rows.shared_keys.row(t), rows.residual_keys.row(t), rows.rope_keys.row(t),
-                  rows.shared_values.row(t), rows.residual_values.row(t), rows.key_rms.row(t));
+    check_rows(where, rows);
+    for (Index t = 0; t < rows.key_rms.rows(); ++t) {
+      for (Index h = 0; h < rows.key_rms.cols(); ++h) {
+        const double rho = static_cast<double>(rows.key_rms(t, h));
+        if (!(rho > 0.0) || !std::isfinite(rho)) {
+          throw shape_error(std::string(where) + ": key_rms(" + std::to_string(t) + ", " +
+                            std::to_string(h) + ") is " + std::to_string(rho) +
+                            ", expected a finite key RMS > 0 (logits are divided by it)");
+        }
+      }
     }
+    append_unchecked(rows);
   }
 
   /// Cached tokens x d_h: the stored shared keys k~_s / values v_s.
@@ -152,33 +155,41 @@ class LrkvCache {
   const S* value_row(Index t) const { return values_.row(0, t); }
   const norm_type* rms_row(Index t) const { return norms_.row(0, t); }
 
-  /// Scratch of the decode step, owned by the cache because a cache belongs to one
-  /// sequence and one thread at a time: decode then allocates nothing once the cache
-  /// has capacity, and a layer stays immutable. Not counted in bytes().
-  struct Workspace {
-    RowVector<T> query;             // 1 x H*d_h   q_h for the shared path (scaled, maybe rotated)
-    RowVector<T> query_transposed;  // 1 x H*d_h   the same as d_h x H
-    RowVector<T> query_latent;      // 1 x H*r     q_h (.) g B_h^K (scaled)
-    RowVector<T> query_rope;        // 1 x H*d_R   P_i q_h^R (scaled)
-    RowVector<T> key;               // 1 x key width    the new token's key row
-    RowVector<T> value;             // 1 x value width  the new token's value row
-    RowVector<T> rms;               // 1 x H       the new token's key RMS
-    RowVector<T> scratch;           // 1 x d_h     one head's materialized new key
-    RowVector<T> heads;             // 1 x H*d_h   per-head outputs o_h
-    RowMatrix<T> acc;               // H x (d_h + r)  [a_h V_s | a_h R_h^V]
-    detail::SplitScratch<T> split;  // partial softmax states per thread
-  };
-  Workspace& workspace() noexcept { return workspace_; }
+ private:
+  friend class LrkvLayer<T>;
 
-  /// Grows geometrically to hold `needed` tokens. Strong exception guarantee.
-  void ensure_capacity(Index needed) {
+  void check_rows(const char* where, const rows_type& rows) const {
+    const Index n = rows.shared_keys.rows();
+    const Index dh = config_.head_dim;
+    const Index hr = config_.n_heads * config_.rank;
+    detail::check_shape(where, "shared_keys", rows.shared_keys, -1, dh);
+    detail::check_shape(where, "shared_values", rows.shared_values, n, dh);
+    detail::check_shape(where, "residual_keys", rows.residual_keys, n, hr);
+    detail::check_shape(where, "residual_values", rows.residual_values, n, hr);
+    detail::check_shape(where, "rope_keys", rows.rope_keys, n, config_.decoupled_dim());
+    detail::check_shape(where, "key_rms", rows.key_rms, n, config_.key_norm ? config_.n_heads : 0);
+  }
+
+  // Appends rows a layer computed (shapes checked by it; a NaN key RMS from a NaN input
+  // is kept, so the bad input shows in the output). Strong exception guarantee.
+  void append_unchecked(const rows_type& rows) {
+    const Index n = rows.shared_keys.rows();
+    grow_for(tokens() + n);
+    for (Index t = 0; t < n; ++t) {
+      append_token(rows.shared_keys.row(t), rows.residual_keys.row(t), rows.rope_keys.row(t),
+                   rows.shared_values.row(t), rows.residual_values.row(t), rows.key_rms.row(t));
+    }
+  }
+
+  // Grows geometrically to hold `needed` tokens. Strong exception guarantee.
+  void grow_for(Index needed) {
     if (needed > capacity()) reserve(detail::grown_capacity(capacity(), needed));
   }
 
-  /// Internal: writes one token (after ensure_capacity) and counts it; never throws.
+  // Writes one token (after grow_for) and counts it; never throws.
   template <class A, class B, class C, class D, class E, class F>
-  void write_token(const A& shared_key, const B& residual_key, const C& rope_key,
-                   const D& shared_value, const E& residual_value, const F& key_rms) noexcept {
+  void append_token(const A& shared_key, const B& residual_key, const C& rope_key,
+                    const D& shared_value, const E& residual_value, const F& key_rms) noexcept {
     const Index t = tokens();
     const Index dh = config_.head_dim;
     const Index hr = config_.n_heads * config_.rank;
@@ -197,7 +208,6 @@ class LrkvCache {
     norms_.commit(1);
   }
 
- private:
   static const LrkvConfig& validated(const LrkvConfig& config) {
     config.validate();
     return config;
@@ -217,7 +227,6 @@ class LrkvCache {
   TokenBuffer<S> keys_;
   TokenBuffer<S> values_;
   TokenBuffer<norm_type> norms_;
-  Workspace workspace_;
 };
 
 static_assert(detail::check_kv_cache<LrkvCache<float>>());

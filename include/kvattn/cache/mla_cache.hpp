@@ -5,14 +5,16 @@
 #include <cstddef>
 #include <string>
 
-#include "kvattn/attention/mla_config.hpp"
 #include "kvattn/cache/kv_cache.hpp"
 #include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/config/mla_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
-#include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
+
+template <class T>
+class MlaLayer;
 
 /// Per token one contiguous row [c_kv | k_R] of d_c + d_R elements of storage type S:
 /// the (RMS-normalized, when kv_norm) KV latent c_kv (d_c) and the rope key k_R (d_R),
@@ -21,7 +23,8 @@ namespace kvattn {
 /// streams it once for all heads, scoring [q~_h | q_h^R] against whole rows.
 ///
 /// T is the compute type of the layer that fills it; S (default T) the storage type.
-/// A cache belongs to one sequence and one thread at a time; copying forks it.
+/// A cache holds tokens only (no kernel scratch): several threads may read one const
+/// cache at once; a thread that appends must be the only one using it. Copying forks it.
 template <class T, class S = T>
 class MlaCache {
  public:
@@ -37,7 +40,7 @@ class MlaCache {
   };
 
   explicit MlaCache(const MlaConfig& config, Index reserve_tokens = 0)
-      : config_(validated(config)), rows_(1, config.cache_width()) {
+      : config_(validated(config)), rows_(1, config.cache_elements_per_token()) {
     if (reserve_tokens > 0) reserve(reserve_tokens);
   }
 
@@ -67,12 +70,13 @@ class MlaCache {
 
   void append(const rows_type& rows) { append(rows.latent, rows.rope_keys); }
 
-  /// Appends n tokens: latents (n x d_c) and rotated rope keys (n x d_R).
+  /// Appends n tokens: latents (n x d_c) and rotated rope keys (n x d_R). Strong
+  /// exception guarantee.
   void append(const ConstMatrixRef<T>& latent, const ConstMatrixRef<T>& rope_keys) {
     detail::check_shape("MlaCache::append", "latent", latent, -1, config_.kv_rank);
     detail::check_shape("MlaCache::append", "rope_keys", rope_keys, latent.rows(),
                         config_.rope_dim);
-    ensure_capacity(tokens() + latent.rows());
+    grow_for(tokens() + latent.rows());
     for (Index t = 0; t < latent.rows(); ++t) write_row(t, latent.row(t), rope_keys.row(t));
     rows_.commit(latent.rows());
   }
@@ -81,8 +85,8 @@ class MlaCache {
   Rows rows() const { return rows(0, tokens()); }
   /// Cached rows first ... first + count - 1 (a tile of the matrix above).
   Rows rows(Index first, Index count) const {
-    return Rows(rows_.row(0, first), count, config_.cache_width(),
-                Eigen::OuterStride<>(config_.cache_width()));
+    return Rows(rows_.row(0, first), count, config_.cache_elements_per_token(),
+                Eigen::OuterStride<>(config_.cache_elements_per_token()));
   }
   /// Pointer to cached row t, [c_t | k_R,t] (rows are contiguous, d_c + d_R apart).
   const S* row_data(Index t) const { return rows_.row(0, t); }
@@ -91,36 +95,21 @@ class MlaCache {
   /// The rotated rope keys K_R, tokens() x d_R (a column block of rows()).
   auto rope_keys() const { return rows().rightCols(config_.rope_dim); }
 
-  /// Scratch of the decode step, owned by the cache because a cache belongs to one
-  /// sequence and one thread at a time: decode then allocates nothing once the cache
-  /// has capacity, and a layer stays immutable. Its size does not depend on the
-  /// number of tokens. Not counted in bytes().
-  struct Workspace {
-    RowVector<T> q_latent;             // 1 x d_c'            c_q (with query compression)
-    RowVector<T> query;                // 1 x H*(d_nope+d_R)  [q_h^nope | q_h^R] per head
-    RowVector<T> latent;               // 1 x d_c             the new token's c_kv
-    RowVector<T> rope_key;             // 1 x d_R             the new token's k_R
-    RowMatrix<T> absorbed;             // H x (d_c+d_R)  scale * [q_h^nope W_UK_h^T | q_h^R]
-    RowMatrix<T> absorbed_transposed;  // (d_c+d_R) x H  the same, one column per head
-    RowMatrix<T> latent_heads;         // H x d_c        o-bar_h = sum_t a_h,t c_t
-    RowVector<T> heads;                // 1 x H*d_v      o_h = o-bar_h W_UV_h, all heads
-    detail::SplitScratch<T> split;     // tiles, partial softmax states per thread
-  };
-  Workspace& workspace() noexcept { return workspace_; }
+ private:
+  friend class MlaLayer<T>;
 
-  /// Grows geometrically to hold `needed` tokens. Strong exception guarantee.
-  void ensure_capacity(Index needed) {
+  // Grows geometrically to hold `needed` tokens. Strong exception guarantee.
+  void grow_for(Index needed) {
     if (needed > capacity()) reserve(detail::grown_capacity(capacity(), needed));
   }
 
-  /// Internal: writes one token's latent and rope key (after ensure_capacity); never throws.
+  // Writes and counts one token's latent and rope key; requires capacity; never throws.
   template <class LatentRow, class RopeRow>
-  void push_row(const LatentRow& latent, const RopeRow& rope_key) noexcept {
+  void append_token(const LatentRow& latent, const RopeRow& rope_key) noexcept {
     write_row(0, latent, rope_key);
     rows_.commit(1);
   }
 
- private:
   static const MlaConfig& validated(const MlaConfig& config) {
     config.validate();
     return config;
@@ -137,7 +126,6 @@ class MlaCache {
 
   MlaConfig config_;
   TokenBuffer<S> rows_;  // one block of width d_c + d_R
-  Workspace workspace_;
 };
 
 static_assert(detail::check_kv_cache<MlaCache<float>>());

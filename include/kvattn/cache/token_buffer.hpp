@@ -45,14 +45,17 @@ class TokenBuffer {
   /// Bytes of the allocation.
   std::size_t capacity_bytes() const { return data_.size() * sizeof(S); }
 
-  /// A copy with room for `capacity` tokens (>= tokens()). May throw; *this is untouched.
+  /// A copy with room for `capacity` tokens (>= tokens()). May throw std::bad_alloc,
+  /// or std::length_error when capacity x elements per token cannot be represented;
+  /// *this is untouched either way.
   TokenBuffer grown(Index capacity) const {
-    const Index per_token = std::max(Index{1}, blocks_ * width_);
+    const Index per_token = std::max(Index{1}, blocks_ * width_);  // validated configs fit
     constexpr auto max_elements =
         static_cast<Index>(PTRDIFF_MAX / static_cast<std::ptrdiff_t>(sizeof(S)));
-    if (capacity > max_elements / per_token) {
+    if (capacity < 0 || capacity > max_elements / per_token) {
       throw std::length_error("TokenBuffer: a capacity of " + std::to_string(capacity) +
-                              " tokens does not fit in memory");
+                              " tokens of " + std::to_string(per_token) +
+                              " elements does not fit in memory");
     }
     TokenBuffer next(blocks_, width_);
     next.data_ = AlignedBuffer<S>(static_cast<std::size_t>(capacity * blocks_ * width_));
@@ -112,7 +115,8 @@ namespace detail {
 
 /// Capacity after geometric growth to hold at least `needed` tokens.
 inline Index grown_capacity(Index current, Index needed) {
-  return std::max({needed, current * 2, Index{16}});
+  const Index doubled = current > PTRDIFF_MAX / 2 ? Index{PTRDIFF_MAX} : current * 2;
+  return std::max({needed, doubled, Index{16}});
 }
 
 /// The shared range check of truncate(n).

@@ -1,31 +1,88 @@
 // Error types thrown by every public call on bad input, in every build type.
+//
+// Every kvattn exception derives from kvattn::error and from one standard exception:
+//   config_error, shape_error, pooling_error   std::invalid_argument
+//   overflow_error                             std::overflow_error
+// kvattn::error does not derive from std::exception itself: if it did, each of these
+// would hold two std::exception bases and `catch (const std::exception&)` would be
+// ambiguous and stop catching them. So `catch (const std::exception&)`, a catch by the
+// standard base and `catch (const kvattn::error&)` all catch every one of them.
 #pragma once
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
-#include "kvattn/core/types.hpp"
+#include "kvattn/core/index.hpp"
 
 namespace kvattn {
 
+/// The base of every kvattn exception (a mixin beside the standard base).
+class error {
+ public:
+  virtual ~error() = default;
+  /// The message, as std::exception::what() gives it.
+  virtual const char* what() const noexcept = 0;
+
+ protected:
+  error() = default;
+  error(const error&) = default;
+  error& operator=(const error&) = default;
+};
+
 /// A configuration breaks a rule; the message names the field, its value and the rule.
-class config_error : public std::invalid_argument {
+class config_error : public std::invalid_argument, public error {
  public:
   using std::invalid_argument::invalid_argument;
+  const char* what() const noexcept override { return std::invalid_argument::what(); }
 };
 
 /// An argument has the wrong shape; the message names the argument, the expected
 /// shape and the shape that came.
-class shape_error : public std::invalid_argument {
+class shape_error : public std::invalid_argument, public error {
  public:
   using std::invalid_argument::invalid_argument;
+  const char* what() const noexcept override { return std::invalid_argument::what(); }
+};
+
+/// A total (over layers, sequence length, batch) does not fit in a signed 64-bit
+/// integer: the analytic module's answer cannot be represented. A valid layer can
+/// still overflow a total, so this is not a config_error.
+class overflow_error : public std::overflow_error, public error {
+ public:
+  using std::overflow_error::overflow_error;
+  const char* what() const noexcept override { return std::overflow_error::what(); }
 };
 
 namespace detail {
 
+inline void append_part(std::string& text, std::string_view part) { text += part; }
+inline void append_part(std::string& text, const char* part) { text += part; }
+inline void append_part(std::string& text, const std::string& part) { text += part; }
+inline void append_part(std::string& text, double value) { text += std::to_string(value); }
+inline void append_part(std::string& text, bool value) { text += value ? "1" : "0"; }
+template <class Integer>
+requires std::is_integral_v<Integer>
+inline void append_part(std::string& text, Integer value) { text += std::to_string(value); }
+
+/// The parts concatenated (strings as they are, numbers by std::to_string).
+template <class... Parts>
+std::string concat(const Parts&... parts) {
+  std::string text;
+  (append_part(text, parts), ...);
+  return text;
+}
+
+/// Throws config_error with the parts concatenated. Not constexpr: a constant
+/// evaluation that reaches it fails to compile, which is what a bad constexpr config
+/// should do.
+template <class... Parts>
+[[noreturn]] void fail_config(const Parts&... parts) {
+  throw config_error(concat(parts...));
+}
+
 /// "(any x 128)" style shape text; a negative extent means "any".
-// Built with += rather than "literal" + std::string: GCC 12 reports a false
-// -Wrestrict on the inlined operator+ at -O2 (GCC bug 105329).
 inline std::string shape_text(Index rows, Index cols) {
   std::string text = "(";
   text += rows < 0 ? std::string("any") : std::to_string(rows);
@@ -49,14 +106,12 @@ void check_shape(const char* where, const char* what, const Matrix& actual, Inde
   }
 }
 
-/// Throws config_error with "<where>: <field> (<value>) <rule>" unless `ok`.
+/// Throws config_error with "<where>: <field> (<value>) <rule>" unless `ok`. Usable in
+/// constant expressions (only the throwing branch is not constant).
 template <class Value>
-void require(bool ok, const char* where, const char* field, const Value& value,
-             const std::string& rule) {
-  if (!ok) {
-    throw config_error(std::string(where) + ": " + field + " (" + std::to_string(value) + ") " +
-                       rule);
-  }
+constexpr void require(bool ok, const char* where, const char* field, const Value& value,
+                       std::string_view rule) {
+  if (!ok) fail_config(where, ": ", field, " (", value, ") ", rule);
 }
 
 /// Throws shape_error unless the cache holds a token to attend from: attend() is

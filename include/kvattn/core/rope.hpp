@@ -12,41 +12,23 @@
 #include <cmath>
 #include <vector>
 
+#include "kvattn/config/rope_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
 
 namespace kvattn {
 
-enum class RopeLayout {
-  none,         ///< no rotation
-  half_split,   ///< pairs (i, i + dim/2)
-  interleaved,  ///< pairs (2i, 2i + 1)
-};
-
-/// RoPE settings of a layer. Token t of a cache sits at position
-/// `position_offset + t` (offset > 0 continues a sequence whose start is not cached).
-struct RopeConfig {
-  RopeLayout layout = RopeLayout::none;
-  double theta = 10000.0;     ///< base of the inverse frequencies
-  Index position_offset = 0;  ///< position of the cache's first token
-
-  bool enabled() const { return layout != RopeLayout::none; }
-
-  void validate(const char* where) const {
-    if (!enabled()) return;
-    if (!(theta > 1.0) || !std::isfinite(theta)) {
-      throw config_error(std::string(where) + ": rope.theta (" + std::to_string(theta) +
-                         ") must be finite and > 1");
-    }
-    detail::require(position_offset >= 0, where, "rope.position_offset", position_offset,
-                    "must be >= 0");
-  }
-
-  bool operator==(const RopeConfig&) const = default;
-};
-
-/// Standard inverse frequencies theta^(-2i/dim), i = 0 ... dim/2 - 1.
+/// Standard inverse frequencies theta^(-2i/dim), i = 0 ... dim/2 - 1. Throws
+/// config_error unless dim is even and > 0 and theta finite and > 1.
 inline std::vector<double> rope_inverse_frequencies(Index dim, double theta) {
+  if (dim <= 0 || dim % 2 != 0) {
+    throw config_error("rope_inverse_frequencies: rotary width (" + std::to_string(dim) +
+                       ") must be even and > 0");
+  }
+  if (!(theta > 1.0) || !std::isfinite(theta)) {
+    throw config_error("rope_inverse_frequencies: theta (" + std::to_string(theta) +
+                       ") must be finite and > 1");
+  }
   std::vector<double> inv_freq(static_cast<std::size_t>(dim / 2));
   for (Index i = 0; i < dim / 2; ++i) {
     inv_freq[static_cast<std::size_t>(i)] =
@@ -61,13 +43,9 @@ class Rope {
   Rope() = default;
 
   /// Standard RoPE of width `dim` (even) with the layout and theta of `config`.
-  Rope(const RopeConfig& config, Index dim)
-      : Rope(config.layout, config.enabled() ? rope_inverse_frequencies(dim, config.theta)
-                                             : std::vector<double>{}) {
-    if (config.enabled() && (dim <= 0 || dim % 2 != 0)) {
-      throw config_error("Rope: rotary width (" + std::to_string(dim) + ") must be even and > 0");
-    }
-  }
+  /// Throws config_error for an odd or non-positive width (checked before anything is
+  /// allocated) or an invalid config.
+  Rope(const RopeConfig& config, Index dim) : Rope(config.layout, frequencies(config, dim)) {}
 
   /// RoPE with explicit inverse frequencies (one per plane, so dim = 2 * size) and
   /// an amplitude multiplying cos and sin (YaRN's attention factor; 1 otherwise).
@@ -109,6 +87,15 @@ class Rope {
   }
 
  private:
+  static std::vector<double> frequencies(const RopeConfig& config, Index dim) {
+    config.validate("Rope");
+    if (!config.enabled()) return {};
+    if (dim <= 0 || dim % 2 != 0) {
+      throw config_error("Rope: rotary width (" + std::to_string(dim) + ") must be even and > 0");
+    }
+    return rope_inverse_frequencies(dim, config.theta);
+  }
+
   RopeLayout layout_ = RopeLayout::none;
   std::vector<double> inv_freq_;
   double amplitude_ = 1.0;

@@ -25,22 +25,28 @@ inline constexpr bool have_openmp =
 #endif
 
 /// Threads a decode, attend or prefill call may use: `count` threads, or every
-/// available one (OpenMP's omp_get_max_threads()) when count is 0. The default,
-/// one thread, never starts a parallel region.
+/// available one (OpenMP's omp_get_max_threads(), at most kMax) when count is 0. The
+/// default, one thread, never starts a parallel region. A count above kMax is a
+/// config_error rather than a request to the OpenMP runtime: libgomp ends the process
+/// when it cannot create the threads or their stacks, so an unbounded count from a
+/// caller would be a crash, not an error.
 struct Threads {
   int count = 1;
 
+  /// The most threads one call may ask for (the per-thread scratch is sized by it).
+  static constexpr int kMax = 256;
+
   static constexpr Threads all() { return Threads{0}; }
 
-  /// The number of threads the call will run: count, or all available when 0;
-  /// always 1 without OpenMP. Throws config_error when count < 0.
+  /// The number of threads the call will run: count, or all available (at most kMax)
+  /// when 0; always 1 without OpenMP. Throws config_error unless 0 <= count <= kMax.
   int resolved() const {
-    if (count < 0) {
-      throw config_error("Threads: count (" + std::to_string(count) +
-                         ") must be >= 1, or 0 for all available threads");
+    if (count < 0 || count > kMax) {
+      throw config_error("Threads: count (" + std::to_string(count) + ") must be in [1, " +
+                         std::to_string(kMax) + "], or 0 for all available threads");
     }
 #ifdef _OPENMP
-    return count == 0 ? omp_get_max_threads() : count;
+    return count == 0 ? std::clamp(omp_get_max_threads(), 1, kMax) : count;
 #else
     return 1;
 #endif

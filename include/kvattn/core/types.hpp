@@ -6,11 +6,16 @@
 //     (PyTorch's nn.Linear stores `out x in`; converting is a transpose).
 #pragma once
 
+#include <type_traits>
+
 #include <Eigen/Core>
+
+#include "kvattn/core/index.hpp"
 
 namespace kvattn {
 
-using Index = Eigen::Index;
+static_assert(std::is_same_v<Index, Eigen::Index>,
+              "kvattn::Index (core/index.hpp) must be Eigen::Index");
 
 /// Row-major dynamic matrix: rows are tokens, columns are features.
 template <class T>

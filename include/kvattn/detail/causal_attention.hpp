@@ -1,5 +1,16 @@
-// Causal attention with an online softmax over key tiles (FlashAttention), the
-// prefill kernel shared by the mechanisms' fast paths.
+// Causal attention with an online softmax over key tiles (FlashAttention), the prefill
+// driver shared by every mechanism's fast path, as split_attention.hpp is for decode.
+//
+// A mechanism supplies two tile operations (its "ops"), for query rows of one unit
+// (a head, or a head's query tile) against cached-token keys:
+//   score(q0, nq, k0, nk, scores, stride, buffer)
+//       scores[i * stride + j] = the scaled logit of query q0 + i against key k0 + j
+//   accumulate(q0, nq, k0, nk, weights, stride, acc, acc_stride, buffer)
+//       acc row i (+)= sum_j weights[i * stride + j] * value of key k0 + j
+// `buffer` is tile x buffer_width scalars of scratch the driver owns (say, key rows
+// widened from a narrower storage type); score and accumulate of one tile run back to
+// back on one thread. Key tiles never straddle `split`: keys before it may live in the
+// cache and keys after it in the new rows of a prefill that is not appended yet.
 #pragma once
 
 #include <algorithm>
@@ -10,74 +21,104 @@
 
 namespace kvattn::detail {
 
-/// Flash-attention style causal attention with an online softmax, O(L * d + tile^2)
-/// memory, never an L x L score matrix:
-///   q    Lq x k_dim   queries at cache indices past ... past + Lq - 1
-///   k    Lk x k_dim   keys at cache indices 0 ... Lk - 1 (Lk = past + Lq)
-///   v    Lk x v_dim
-///   out  Lq x v_dim   query i sees keys 0 ... past + i
+/// Rows of queries and keys per tile.
+inline constexpr Index kPrefillTile = 64;
+
+/// The shape of one causal attention: query i (0-based among the new tokens) sits at
+/// cache index past + i and sees keys 0 ... past + i.
+struct CausalShape {
+  Index past = 0;          // cached tokens before the first query
+  Index split = 0;         // key index no tile straddles (0: none)
+  Index acc_width = 0;     // accumulator (value) width per query row
+  Index buffer_width = 0;  // scratch scalars per key row of a tile (0: none)
+};
+
+/// One thread's scratch; fit() allocates, the driver never does.
 template <class T>
-void causal_attention(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                      const ConstMatrixRef<T>& v, Index past, T scale,
-                      Eigen::Ref<RowMatrix<T>> out) {
-  constexpr Index tile = 64;
+struct CausalScratch {
+  RowMatrix<T> scores;                            // tile x tile
+  RowMatrix<T> acc;                               // tile x acc_width
+  RowMatrix<T> buffer;                            // tile x buffer_width
+  RowVector<T> running_max, normalizer, rescale;  // tile
+
+  void fit(const CausalShape& shape) {
+    reshape(scores, kPrefillTile, kPrefillTile);
+    reshape(acc, kPrefillTile, shape.acc_width);
+    reshape(buffer, kPrefillTile, shape.buffer_width);
+    reshape(running_max, kPrefillTile);
+    reshape(normalizer, kPrefillTile);
+    reshape(rescale, kPrefillTile);
+  }
+};
+
+/// Queries q0 ... q0 + nq - 1 (nq <= kPrefillTile) against every key they see, with an
+/// online softmax; writes the normalized result to out (nq rows of acc_width, row
+/// stride out_stride). Never allocates (scratch.fit(shape) must have run).
+template <class T, class Ops>
+void causal_query_tile(const CausalShape& shape, CausalScratch<T>& scratch, const Ops& ops,
+                       Index q0, Index nq, T* out, Index out_stride) {
+  constexpr Index tile = kPrefillTile;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-  const Index length = q.rows();
-  RowMatrix<T> scores(tile, tile);
-  RowMatrix<T> acc(tile, v.cols());
-  RowVector<T> running_max(tile), normalizer(tile), rescale(tile);
-  for (Index q0 = 0; q0 < length; q0 += tile) {
-    const Index q_rows = std::min(tile, length - q0);
-    const Index key_end = past + q0 + q_rows;  // keys visible to the tile's last row
-    acc.topRows(q_rows).setZero();
-    running_max.head(q_rows).setConstant(neg_inf);
-    normalizer.head(q_rows).setZero();
-    for (Index k0 = 0; k0 < key_end; k0 += tile) {
-      const Index k_rows = std::min(tile, key_end - k0);
-      auto s = scores.topLeftCorner(q_rows, k_rows);
-      s.noalias() = q.middleRows(q0, q_rows) * k.middleRows(k0, k_rows).transpose();
-      for (Index r = 0; r < q_rows; ++r) {
-        const Index visible = past + q0 + r - k0 + 1;  // keys k0 ... past+q0+r
-        T row_max = neg_inf;
-        for (Index c = 0; c < k_rows; ++c) {
-          if (c < visible) {
-            s(r, c) *= scale;
-            row_max = std::max(row_max, s(r, c));
-          } else {
-            s(r, c) = neg_inf;
-          }
+  auto& acc = scratch.acc;
+  auto& running_max = scratch.running_max;
+  auto& normalizer = scratch.normalizer;
+  auto& rescale = scratch.rescale;
+  T* buffer = shape.buffer_width > 0 ? scratch.buffer.data() : nullptr;
+  const Index width = shape.acc_width;
+  const Index key_end = shape.past + q0 + nq;  // keys visible to the tile's last row
+  acc.topRows(nq).setZero();
+  running_max.head(nq).setConstant(neg_inf);
+  normalizer.head(nq).setZero();
+  Index k0 = 0;
+  while (k0 < key_end) {
+    Index nk = std::min(tile, key_end - k0);
+    if (k0 < shape.split) nk = std::min(nk, shape.split - k0);
+    T* s = scratch.scores.data();
+    ops.score(q0, nq, k0, nk, s, tile, buffer);
+    for (Index r = 0; r < nq; ++r) {
+      T* row = s + r * tile;
+      const Index visible = shape.past + q0 + r - k0 + 1;  // keys k0 ... past+q0+r
+      T row_max = neg_inf;
+      for (Index c = 0; c < nk; ++c) {
+        if (c < visible) {
+          row_max = std::max(row_max, row[c]);
+        } else {
+          row[c] = neg_inf;
         }
-        const T new_max = std::max(running_max(r), row_max);
-        if (new_max == neg_inf) {  // no visible key in this tile yet
-          rescale(r) = T(1);
-          s.row(r).setZero();
-          continue;
-        }
-        rescale(r) = std::exp(running_max(r) - new_max);  // exp(-inf) = 0
-        T row_sum = 0;
-        for (Index c = 0; c < k_rows; ++c) {
-          s(r, c) = std::exp(s(r, c) - new_max);
-          row_sum += s(r, c);
-        }
-        normalizer(r) = normalizer(r) * rescale(r) + row_sum;
-        running_max(r) = new_max;
       }
-      acc.topRows(q_rows) = rescale.head(q_rows).asDiagonal() * acc.topRows(q_rows);
-      if (k0 + k_rows <= past + q0 + 1) {  // every key of the tile is visible to every row
-        acc.topRows(q_rows).noalias() += s * v.middleRows(k0, k_rows);
-      } else {
-        // On the diagonal, row r reads only its visible values: a masked weight is 0,
-        // but 0 * (a NaN in a later token's value) would still leak into row r.
-        for (Index r = 0; r < q_rows; ++r) {
-          const Index visible = std::min(k_rows, past + q0 + r - k0 + 1);
-          if (visible <= 0) continue;
-          acc.row(r).noalias() += s.row(r).head(visible) * v.middleRows(k0, visible);
-        }
+      const T new_max = std::max(running_max(r), row_max);
+      if (new_max == neg_inf) {  // no visible key in this tile yet
+        rescale(r) = T(1);
+        for (Index c = 0; c < nk; ++c) row[c] = T(0);
+        continue;
+      }
+      rescale(r) = std::exp(running_max(r) - new_max);  // exp(-inf) = 0
+      T row_sum = 0;
+      for (Index c = 0; c < nk; ++c) {
+        row[c] = std::exp(row[c] - new_max);
+        row_sum += row[c];
+      }
+      normalizer(r) = normalizer(r) * rescale(r) + row_sum;
+      running_max(r) = new_max;
+    }
+    for (Index r = 0; r < nq; ++r) acc.row(r) *= rescale(r);
+    if (k0 + nk <= shape.past + q0 + 1) {  // every key of the tile is visible to every row
+      ops.accumulate(q0, nq, k0, nk, s, tile, acc.data(), width, buffer);
+    } else {
+      // On the diagonal, row r reads only its visible values: a masked weight is 0, but
+      // 0 * (a NaN in a later token's value) would still leak into row r.
+      for (Index r = 0; r < nq; ++r) {
+        const Index visible = std::min(nk, shape.past + q0 + r - k0 + 1);
+        if (visible <= 0) continue;
+        ops.accumulate(q0 + r, 1, k0, visible, s + r * tile, tile, acc.data() + r * width, width,
+                       buffer);
       }
     }
-    // Every query sees at least itself, so the normalizer is >= 1.
-    out.middleRows(q0, q_rows) =
-        normalizer.head(q_rows).cwiseInverse().asDiagonal() * acc.topRows(q_rows);
+    k0 += nk;
+  }
+  // Every query sees at least itself, so the normalizer is >= 1.
+  for (Index r = 0; r < nq; ++r) {
+    Eigen::Map<RowVector<T>>(out + r * out_stride, width) = acc.row(r) / normalizer(r);
   }
 }
 

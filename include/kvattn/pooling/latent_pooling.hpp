@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kvattn/config/rules.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/softmax.hpp"
@@ -39,9 +40,7 @@ struct LatentPoolingConfig {
   /// The MLP's hidden width: mlp_hidden, or d when it is 0.
   Index hidden() const { return mlp_hidden > 0 ? mlp_hidden : d_model; }
   /// The scale applied to token . entry: softmax_scale, or 1/sqrt(d/H) when it is 0.
-  double scale() const {
-    return softmax_scale > 0.0 ? softmax_scale : 1.0 / std::sqrt(static_cast<double>(head_dim()));
-  }
+  double scale() const { return detail::softmax_scale_or_default(softmax_scale, head_dim()); }
   /// Trainable numbers in the dictionary, r * d (NV-Embed: 2,097,152).
   Index dictionary_parameters() const { return n_latents * d_model; }
 

@@ -16,6 +16,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kvattn/config/rules.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/softmax.hpp"
@@ -39,9 +40,7 @@ struct NvEmbedPoolingConfig {
   Index key_dim() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
   Index inner_dim() const { return n_heads * key_dim(); }
   Index ff_hidden() const { return ff_mult * d_model; }
-  double scale() const {
-    return softmax_scale > 0.0 ? softmax_scale : 1.0 / std::sqrt(static_cast<double>(key_dim()));
-  }
+  double scale() const { return detail::softmax_scale_or_default(softmax_scale, key_dim()); }
 
   void validate() const {
     constexpr const char* where = "NvEmbedPoolingConfig";

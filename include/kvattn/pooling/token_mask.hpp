@@ -17,9 +17,10 @@ namespace kvattn {
 
 /// A pooling call has nothing to pool: an empty sequence, or a mask that drops every
 /// token. The message says which and how to fix it.
-class pooling_error : public std::invalid_argument {
+class pooling_error : public std::invalid_argument, public error {
  public:
   using std::invalid_argument::invalid_argument;
+  const char* what() const noexcept override { return std::invalid_argument::what(); }
 };
 
 /// One flag per token (true: the token enters the pooled vector). An empty mask

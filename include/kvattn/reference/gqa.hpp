@@ -27,9 +27,9 @@ RowMatrix<T> forward(const GqaLayer<T>& layer, const ConstMatrixRef<std::type_id
   RowMatrix<T> k = x * w.w_k;
   RowMatrix<T> v = x * w.w_v;
   if (c.qkv_bias) {
-    q.rowwise() += w.b_q;
-    k.rowwise() += w.b_k;
-    v.rowwise() += w.b_v;
+    q.rowwise() += w.bias_q;
+    k.rowwise() += w.bias_k;
+    v.rowwise() += w.bias_v;
   }
   const Rope rope(c.rope, c.head_dim);
   for (Index i = 0; i < x.rows(); ++i) {
@@ -52,7 +52,7 @@ RowMatrix<T> forward(const GqaLayer<T>& layer, const ConstMatrixRef<std::type_id
 
 /// The attention step of the newest cached token (index cache.tokens() - 1), the
 /// expanded way: the per-head outputs, 1 x H*d_h, before W_O. `query` is that token's
-/// projected query x W_Q (+ b_q), 1 x H*d_h, before RoPE. Every query head gets its own
+/// projected query x W_Q (+ bias_q), 1 x H*d_h, before RoPE. Every query head gets its own
 /// K and V, materialized from its KV group (cast to T); the query is rotated at
 /// position rope.position_offset + tokens() - 1; then dense attention per head.
 /// Throws config_error if the cache was made for another config, shape_error for a

@@ -60,9 +60,9 @@ RowMatrix<T> forward(const LrkvLayer<T>& layer, const ConstMatrixRef<std::type_i
     // The head's full key and value, materialized for every token.
     RowMatrix<T> k_shared = k_shared_raw;
     RowMatrix<T> k_residual =
-        (x * w.u_k.middleCols(h * r, r)) * w.b_k.middleCols(h * r, r).transpose();
+        (x * w.u_k.middleCols(h * r, r)) * w.basis_k.middleCols(h * r, r).transpose();
     const RowMatrix<T> v =
-        v_shared + (x * w.u_v.middleCols(h * r, r)) * w.b_v.middleCols(h * r, r).transpose();
+        v_shared + (x * w.u_v.middleCols(h * r, r)) * w.basis_v.middleCols(h * r, r).transpose();
     if (c.key_norm) {
       for (Index t = 0; t < L; ++t) {
         const RowVector<T> full = k_shared.row(t) + k_residual.row(t);
@@ -116,7 +116,8 @@ RowMatrix<T> forward(const LrkvLayer<T>& layer, const ConstMatrixRef<std::type_i
 
 /// The attention step of the newest cached token (index cache.tokens() - 1), the
 /// expanded way: the per-head outputs, 1 x H*d_h, before W_O. `query` is that token's
-/// projected query [x W_Q | x W_QR], 1 x H*(d_h + d_R) (d_R only for rope_mode
+/// projected query, head h's [x W_Q_h | x W_QR_h] in columns [h*(d_h+d_R), (h+1)*(d_h+d_R)),
+/// 1 x H*(d_h + d_R) (d_R only for rope_mode
 /// decoupled), before RoPE and scale. Every head's full key and value of every cached
 /// token are materialized from the cached shared rows and latents,
 ///   k_h,t = k~_s,t + R_h,t^K (B_h^K)^T,   v_h,t = v_s,t + R_h,t^V (B_h^V)^T,
@@ -164,14 +165,14 @@ RowMatrix<T> decode_step(const LrkvLayer<T>& layer, const LrkvCache<T, S>& cache
   const RowMatrix<T> key_rms = cache.key_rms().template cast<T>();              // rho,  L x H
   RowMatrix<T> heads(1, H * dh);
   for (Index h = 0; h < H; ++h) {
-    RowMatrix<T> q = query.middleCols(h * dh, dh);
-    RowMatrix<T> q_rope = query.middleCols(H * dh + h * dr, dr);
+    RowMatrix<T> q = query.middleCols(h * (dh + dr), dh);
+    RowMatrix<T> q_rope = query.middleCols(h * (dh + dr) + dh, dr);
     // Head h's shared and residual key parts and its full value, every cached token.
     RowMatrix<T> k_shared = shared_keys;
     RowMatrix<T> k_residual =
-        cache.residual_keys(h).template cast<T>() * w.b_k.middleCols(h * r, r).transpose();
+        cache.residual_keys(h).template cast<T>() * w.basis_k.middleCols(h * r, r).transpose();
     const RowMatrix<T> v = shared_values + cache.residual_values(h).template cast<T>() *
-                                               w.b_v.middleCols(h * r, r).transpose();
+                                               w.basis_v.middleCols(h * r, r).transpose();
     if (c.key_norm) {
       for (Index t = 0; t < L; ++t) {
         k_shared.row(t) /= key_rms(t, h);  // the gain is in the stored shared key already

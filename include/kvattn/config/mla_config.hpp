@@ -4,13 +4,10 @@
 // config.json key is given where it differs.
 #pragma once
 
-#include <cmath>
-#include <string>
-
-#include "kvattn/core/errors.hpp"
-#include "kvattn/core/rope.hpp"
-#include "kvattn/core/types.hpp"
-#include "kvattn/core/yarn.hpp"
+#include "kvattn/config/rope_config.hpp"
+#include "kvattn/config/rules.hpp"
+#include "kvattn/config/yarn_config.hpp"
+#include "kvattn/core/index.hpp"
 
 namespace kvattn {
 
@@ -34,11 +31,11 @@ struct MlaConfig {
   double softmax_scale = 0.0;  // 0: 1/sqrt(d_nope + d_R) * m^2 (see scale())
 
   /// Width of one query/key head, d_nope + d_R (q_head_dim).
-  Index qk_head_dim() const { return qk_nope_dim + rope_dim; }
+  constexpr Index qk_head_dim() const { return qk_nope_dim + rope_dim; }
   /// Width of all query heads, H * (d_nope + d_R).
-  Index query_width() const { return n_heads * qk_head_dim(); }
+  constexpr Index query_width() const { return n_heads * qk_head_dim(); }
   /// Stored elements per cached token, d_c + d_R.
-  Index cache_width() const { return kv_rank + rope_dim; }
+  constexpr Index cache_elements_per_token() const { return kv_rank + rope_dim; }
   /// YaRN's attention factor m (1 without YaRN); the scale carries m^2.
   double attention_factor() const { return yarn_attention_factor(yarn); }
 
@@ -46,12 +43,13 @@ struct MlaConfig {
   /// the width of the dotted head vectors [q^nope; q^R] (seed 002, Chapter 3), never
   /// the width of the cached row (d_c + d_R) that absorbed decode dots against.
   double scale() const {
-    if (softmax_scale > 0.0) return softmax_scale;
     const double m = attention_factor();
-    return m * m / std::sqrt(static_cast<double>(qk_head_dim()));
+    return detail::softmax_scale_or_default(softmax_scale, qk_head_dim(), m * m);
   }
 
-  void validate() const {
+  /// Throws config_error naming the field and the rule, including dimensions whose
+  /// derived sizes do not fit in a signed 64-bit integer.
+  constexpr void validate() const {
     constexpr const char* where = "MlaConfig";
     detail::require(d_model >= 1, where, "d_model", d_model, "must be >= 1");
     detail::require(n_heads >= 1, where, "n_heads", n_heads, "must be >= 1");
@@ -64,15 +62,11 @@ struct MlaConfig {
     detail::require(v_dim >= 1, where, "v_dim", v_dim, "must be >= 1");
     detail::require(!q_norm || q_rank > 0, where, "q_rank", q_rank,
                     "must be > 0 when q_norm is set (there is no query latent to normalize)");
-    if (!(norm_epsilon > 0.0) || !std::isfinite(norm_epsilon)) {
-      throw config_error(std::string(where) + ": norm_epsilon (" + std::to_string(norm_epsilon) +
-                         ") must be finite and > 0");
+    if (!(norm_epsilon > 0.0) || !detail::is_finite(norm_epsilon)) {
+      detail::fail_config(where, ": norm_epsilon (", norm_epsilon, ") must be finite and > 0");
     }
-    if (!(softmax_scale >= 0.0) || !std::isfinite(softmax_scale)) {
-      throw config_error(std::string(where) + ": softmax_scale (" + std::to_string(softmax_scale) +
-                         ") must be finite and >= 0 (0 selects 1/sqrt(qk_nope_dim + rope_dim)" +
-                         " times YaRN's m^2)");
-    }
+    detail::check_softmax_scale(where, softmax_scale,
+                                "1/sqrt(qk_nope_dim + rope_dim) times YaRN's m^2");
     rope.validate(where);
     yarn.validate(where);
     if (rope.enabled()) {
@@ -80,19 +74,36 @@ struct MlaConfig {
                       "must be even and >= 2 when RoPE is enabled");
     }
     if (yarn.enabled && !rope.enabled()) {
-      throw config_error(std::string(where) +
-                         ": yarn.enabled (1) needs RoPE: set rope.layout to half_split or "
-                         "interleaved");
+      detail::fail_config(where,
+                          ": yarn.enabled (1) needs RoPE: set rope.layout to half_split or "
+                          "interleaved");
     }
+    const Index head =
+        detail::size_sum(where, "query head width qk_nope_dim + rope_dim", qk_nope_dim, rope_dim);
+    const Index query = detail::size_product(
+        where, "query width n_heads x (qk_nope_dim + rope_dim)", n_heads, head);
+    detail::size_sum(where, "elements per token kv_rank + rope_dim", kv_rank, rope_dim);
+    const Index nope = detail::size_product(where, "n_heads x qk_nope_dim", n_heads, qk_nope_dim);
+    const Index values = detail::size_product(where, "n_heads x v_dim", n_heads, v_dim);
+    detail::size_product(where, "w_q elements d_model x query width", d_model, query);
+    detail::size_product(where, "w_dq elements d_model x q_rank", d_model, q_rank);
+    detail::size_product(where, "w_uq elements q_rank x query width", q_rank, query);
+    detail::size_product(where, "w_dkv elements d_model x kv_rank", d_model, kv_rank);
+    detail::size_product(where, "w_kr elements d_model x rope_dim", d_model, rope_dim);
+    detail::size_product(where, "w_uk elements kv_rank x (n_heads x qk_nope_dim)", kv_rank, nope);
+    detail::size_product(where, "w_uv elements kv_rank x (n_heads x v_dim)", kv_rank, values);
+    detail::size_product(where, "w_o elements (n_heads x v_dim) x d_model", values, d_model);
+    detail::size_product(where, "absorbed queries n_heads x (kv_rank + rope_dim)", n_heads,
+                         kv_rank + rope_dim);
   }
 
-  bool operator==(const MlaConfig&) const = default;
+  constexpr bool operator==(const MlaConfig&) const = default;
 };
 
 /// DeepSeek-V2's attention (236B; config.json of deepseek-ai/DeepSeek-V2): d 5120,
 /// 128 heads, d_c 512, d_c' 1536, d_nope 128, d_R 64, d_v 128, interleaved RoPE with
 /// theta 10000 and YaRN (factor 40 over 4096 positions, beta 32/1, mscale 0.707/0.707).
-inline MlaConfig deepseek_v2_config() {
+constexpr MlaConfig deepseek_v2_config() {
   MlaConfig c;
   c.d_model = 5120;
   c.n_heads = 128;
@@ -111,7 +122,7 @@ inline MlaConfig deepseek_v2_config() {
 
 /// DeepSeek-V2-Lite's attention (16B): d 2048, 16 heads, no query compression,
 /// otherwise as DeepSeek-V2.
-inline MlaConfig deepseek_v2_lite_config() {
+constexpr MlaConfig deepseek_v2_lite_config() {
   MlaConfig c = deepseek_v2_config();
   c.d_model = 2048;
   c.n_heads = 16;
@@ -122,7 +133,7 @@ inline MlaConfig deepseek_v2_lite_config() {
 
 /// DeepSeek-V3's attention (671B): d 7168, 128 heads, YaRN mscale 1.0/1.0, otherwise
 /// as DeepSeek-V2.
-inline MlaConfig deepseek_v3_config() {
+constexpr MlaConfig deepseek_v3_config() {
   MlaConfig c = deepseek_v2_config();
   c.d_model = 7168;
   c.yarn.mscale = 1.0;

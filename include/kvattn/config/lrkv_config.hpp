@@ -6,12 +6,9 @@
 // latents R_h^K, R_h^V (r per token), 2 * (d_h + H * r) elements per token.
 #pragma once
 
-#include <cmath>
-#include <string>
-
-#include "kvattn/core/errors.hpp"
-#include "kvattn/core/rope.hpp"
-#include "kvattn/core/types.hpp"
+#include "kvattn/config/rope_config.hpp"
+#include "kvattn/config/rules.hpp"
+#include "kvattn/core/index.hpp"
 
 namespace kvattn {
 
@@ -42,7 +39,7 @@ enum class LrkvRopeMode {
 };
 
 /// The mode's name as written in the enum ("none", "shared", ...).
-inline const char* to_string(LrkvRopeMode mode) {
+constexpr const char* to_string(LrkvRopeMode mode) {
   switch (mode) {
     case LrkvRopeMode::none:
       return "none";
@@ -75,55 +72,66 @@ struct LrkvConfig {
 
   /// The scale applied to the logits before the softmax.
   double scale() const {
-    if (softmax_scale > 0.0) return softmax_scale;
-    const Index width = head_dim + (rope_mode == LrkvRopeMode::decoupled ? rope_dim : 0);
-    return 1.0 / std::sqrt(static_cast<double>(width));
+    return detail::softmax_scale_or_default(softmax_scale, head_dim + decoupled_dim());
   }
   /// Whether the shared key K_s (and the matching query) is rotated by P_t.
-  bool rotates_shared() const {
+  constexpr bool rotates_shared() const {
     return rope_mode == LrkvRopeMode::shared || rope_mode == LrkvRopeMode::full ||
            rope_mode == LrkvRopeMode::commuting;
   }
   /// Whether the residual key B_h^K r_h,t is rotated by P_t.
-  bool rotates_residual() const {
+  constexpr bool rotates_residual() const {
     return rope_mode == LrkvRopeMode::full || rope_mode == LrkvRopeMode::commuting;
   }
   /// d_R if the mode is decoupled, else 0.
-  Index decoupled_dim() const { return rope_mode == LrkvRopeMode::decoupled ? rope_dim : 0; }
+  constexpr Index decoupled_dim() const {
+    return rope_mode == LrkvRopeMode::decoupled ? rope_dim : 0;
+  }
   /// Whether the factored (cached) path computes this model exactly; false only for full.
-  bool factored_exact() const { return rope_mode != LrkvRopeMode::full; }
+  constexpr bool factored_exact() const { return rope_mode != LrkvRopeMode::full; }
+  /// Width of one head's query in attend's layout: d_h, plus d_R when decoupled.
+  constexpr Index query_head_dim() const { return head_dim + decoupled_dim(); }
+  /// Width of all query heads, H * (d_h + d_R).
+  constexpr Index query_width() const { return n_heads * query_head_dim(); }
+  /// Width of every head's key (or value) latents, H * r.
+  constexpr Index residual_width() const { return n_heads * rank; }
 
   /// Cache elements per token: 2 * (d_h + H * r), plus d_R (decoupled key k_R) and
   /// H key RMS scalars (key_norm; stored as fp32 or wider, see LrkvCache).
-  Index cache_elements_per_token() const {
+  constexpr Index cache_elements_per_token() const {
     return 2 * (head_dim + n_heads * rank) + decoupled_dim() + (key_norm ? n_heads : 0);
   }
 
-  void validate() const {
+  /// Throws config_error naming the field and the rule, including dimensions whose
+  /// derived sizes do not fit in a signed 64-bit integer.
+  constexpr void validate() const {
     constexpr const char* where = "LrkvConfig";
     detail::require(d_model >= 1, where, "d_model", d_model, "must be >= 1");
     detail::require(n_heads >= 1, where, "n_heads", n_heads, "must be >= 1");
     detail::require(head_dim >= 1, where, "head_dim", head_dim, "must be >= 1");
     detail::require(rank >= 0, where, "rank", rank, "must be >= 0 (0 is MQA)");
-    detail::require(rank <= head_dim, where, "rank", rank,
-                    "must be <= head_dim (" + std::to_string(head_dim) +
-                        "): rank(U_h B_h^T) <= d_h, so a larger rank only adds cache");
-    const std::string mode = std::string("rope_mode ") + to_string(rope_mode);
+    if (rank > head_dim) {
+      detail::fail_config(where, ": rank (", rank, ") must be <= head_dim (", head_dim,
+                          "): rank(U_h B_h^T) <= d_h, so a larger rank only adds cache");
+    }
+    const Index mode = static_cast<Index>(rope_mode);
+    if (mode < 0 || mode > static_cast<Index>(LrkvRopeMode::commuting)) {
+      detail::fail_config(where, ": rope_mode (", mode,
+                          ") is not an LrkvRopeMode (none, shared, decoupled, full, commuting)");
+    }
     if (rope_mode == LrkvRopeMode::none && rope.enabled()) {
-      throw config_error(std::string(where) +
-                         ": rope.layout must be none when rope_mode is none (choose a rope_mode "
-                         "to say where RoPE applies: shared, decoupled, commuting or full)");
+      detail::fail_config(where,
+                          ": rope.layout must be none when rope_mode is none (choose a rope_mode "
+                          "to say where RoPE applies: shared, decoupled, commuting or full)");
     }
     if (rope_mode != LrkvRopeMode::none && !rope.enabled()) {
-      throw config_error(std::string(where) +
-                         ": rope.layout must be half_split or interleaved "
-                         "when " +
-                         mode + " is set");
+      detail::fail_config(where, ": rope.layout must be half_split or interleaved when rope_mode ",
+                          to_string(rope_mode), " is set");
     }
     rope.validate(where);
-    if (rotates_shared()) {
-      detail::require(head_dim % 2 == 0, where, "head_dim", head_dim,
-                      "must be even when " + mode + " rotates keys of width head_dim");
+    if (rotates_shared() && head_dim % 2 != 0) {
+      detail::fail_config(where, ": head_dim (", head_dim, ") must be even when rope_mode ",
+                          to_string(rope_mode), " rotates keys of width head_dim");
     }
     if (rope_mode == LrkvRopeMode::decoupled) {
       detail::require(rope_dim >= 2 && rope_dim % 2 == 0, where, "rope_dim", rope_dim,
@@ -136,17 +144,31 @@ struct LrkvConfig {
       detail::require(rank % 2 == 0, where, "rank", rank,
                       "must be even when rope_mode is commuting (latents rotate in pairs)");
     }
-    if (!(key_norm_epsilon > 0.0) || !std::isfinite(key_norm_epsilon)) {
-      throw config_error(std::string(where) + ": key_norm_epsilon (" +
-                         std::to_string(key_norm_epsilon) + ") must be finite and > 0");
+    if (!(key_norm_epsilon > 0.0) || !detail::is_finite(key_norm_epsilon)) {
+      detail::fail_config(where, ": key_norm_epsilon (", key_norm_epsilon,
+                          ") must be finite and > 0");
     }
-    if (!(softmax_scale >= 0.0) || !std::isfinite(softmax_scale)) {
-      throw config_error(std::string(where) + ": softmax_scale (" + std::to_string(softmax_scale) +
-                         ") must be finite and >= 0 (0 selects the default 1/sqrt(width))");
-    }
+    detail::check_softmax_scale(where, softmax_scale, "the default 1/sqrt(width)");
+    const Index heads = detail::size_product(where, "n_heads x head_dim", n_heads, head_dim);
+    const Index residual =
+        detail::size_product(where, "residual width n_heads x rank", n_heads, rank);
+    const Index rope_queries =
+        detail::size_product(where, "n_heads x rope_dim", n_heads, decoupled_dim());
+    detail::size_sum(where, "query width n_heads x (head_dim + rope_dim)", heads, rope_queries);
+    const Index key_row = detail::size_sum(
+        where, "key row head_dim + n_heads x rank + rope_dim",
+        detail::size_sum(where, "head_dim + n_heads x rank", head_dim, residual), decoupled_dim());
+    const Index rows = detail::size_sum(where, "key and value rows", key_row, head_dim + residual);
+    detail::size_sum(where, "elements per token", rows, key_norm ? n_heads : 0);
+    detail::size_product(where, "w_q elements d_model x (n_heads x head_dim)", d_model, heads);
+    detail::size_product(where, "w_o elements (n_heads x head_dim) x d_model", heads, d_model);
+    detail::size_product(where, "u_k elements d_model x (n_heads x rank)", d_model, residual);
+    detail::size_product(where, "basis_k elements head_dim x (n_heads x rank)", head_dim, residual);
+    detail::size_product(where, "w_qr elements d_model x (n_heads x rope_dim)", d_model,
+                         rope_queries);
   }
 
-  bool operator==(const LrkvConfig&) const = default;
+  constexpr bool operator==(const LrkvConfig&) const = default;
 };
 
 }  // namespace kvattn
