@@ -17,8 +17,9 @@ int main() {
   RowMatrix<float> y(40, config.d_model);
   y.topRows(32) = layer.prefill(x.topRows(32), cache);  // causal prefill of the prompt
   RowVector<float> out(config.d_model);
-  for (Index t = 32; t < 40; ++t) {  // one token at a time through the factored path
-    layer.decode(x.row(t), cache, out);
+  auto workspace = layer.make_workspace();  // decode's scratch: with it, no allocation
+  for (Index t = 32; t < 40; ++t) {         // one token at a time through the factored path
+    layer.decode(x.row(t), cache, out, workspace);
     y.row(t) = out;
   }
 

@@ -34,9 +34,9 @@ struct DemoRow {
   double tokens_per_second = 0;
 };
 
-// Runs one mechanism: any layer with make_cache / prefill / decode and a
-// kvattn::reference::forward overload.
-template <class Layer>
+// Runs one mechanism: any kvattn::AttentionLayer with a kvattn::reference::forward
+// overload.
+template <kvattn::AttentionLayer Layer>
 DemoRow run_mechanism(const std::string& name, const Layer& layer, Index prompt, Index steps,
                       std::uint64_t seed) {
   using T = typename Layer::scalar_type;
@@ -49,9 +49,10 @@ DemoRow run_mechanism(const std::string& name, const Layer& layer, Index prompt,
   RowMatrix<T> y(length, d);
   y.topRows(prompt) = layer.prefill(x.topRows(prompt), cache);
   RowVector<T> out(d);
+  auto workspace = layer.make_workspace();
   const auto start = std::chrono::steady_clock::now();
   for (Index t = prompt; t < length; ++t) {
-    layer.decode(x.row(t), cache, out);
+    layer.decode(x.row(t), cache, out, workspace);
     y.row(t) = out;
   }
   const double seconds =

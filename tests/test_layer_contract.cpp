@@ -1,0 +1,173 @@
+// The one layer contract (attention/attention_layer.hpp) every mechanism honours: the
+// concept, one const cache read by several threads at once (each with its own
+// workspace) giving bitwise the results of reading it one after the other, decode's
+// 1 x d shape check in every build type, and the exception hierarchy.
+#include <catch2/catch.hpp>
+
+#include <functional>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "kvattn/analysis/cache_size.hpp"
+#include "kvattn/attention/attention_layer.hpp"
+#include "kvattn/attention/gqa.hpp"
+#include "kvattn/attention/lrkv.hpp"
+#include "kvattn/attention/mla.hpp"
+#include "kvattn/pooling/token_mask.hpp"
+#include "test_util.hpp"
+
+using namespace kvattn;
+
+static_assert(AttentionLayer<GqaLayer<float>> && AttentionLayer<GqaLayer<double>>);
+static_assert(AttentionLayer<MlaLayer<float>> && AttentionLayer<MlaLayer<double>>);
+static_assert(AttentionLayer<LrkvLayer<float>> && AttentionLayer<LrkvLayer<double>>);
+// validate() is constexpr: the analysis module's compile-time checks run it.
+static_assert((deepseek_v2_config().validate(), true));
+static_assert(analysis::elements_per_token_per_layer(deepseek_v2_config()) == 576);
+static_assert((gqa_config(4096, 32, 128, 8).validate(), true));
+
+namespace {
+
+MlaConfig small_mla() {
+  MlaConfig c;
+  c.d_model = 24;
+  c.n_heads = 4;
+  c.kv_rank = 20;
+  c.q_rank = 10;
+  c.q_norm = true;
+  c.qk_nope_dim = 8;
+  c.rope_dim = 4;
+  c.v_dim = 6;
+  c.rope = {RopeLayout::interleaved, 10000.0, 5};
+  return c;
+}
+
+LrkvConfig small_lrkv() {
+  LrkvConfig c{24, 4, 8, 3, LrkvRopeMode::decoupled, {RopeLayout::half_split, 10000.0, 2}};
+  c.rope_dim = 4;
+  c.key_norm = true;
+  return c;
+}
+
+// kThreads threads attend over one const cache at once, each with its own workspace and
+// queries (and Threads{2} inside, so OpenMP teams nest under std::threads); the results
+// equal, bitwise, the same calls made one after the other on this thread.
+template <class Layer>
+void check_concurrent_attend(const Layer& layer) {
+  using T = typename Layer::scalar_type;
+  constexpr int kThreads = 4, kQueries = 6;
+  auto cache = layer.make_cache();
+  layer.prefill(test::random_input<T>(300, layer.config().d_model, 3), cache);
+  const auto& shared = cache;  // read-only from here on
+  const RowMatrix<T> queries = test::random_input<T>(kThreads * kQueries, layer.query_width(), 4);
+  auto run = [&](int id, RowMatrix<T>& out) {
+    auto workspace = layer.make_workspace(Threads{2});
+    for (int q = 0; q < kQueries; ++q) {
+      layer.attend(queries.row(id * kQueries + q), shared, out.row(q), workspace, Threads{2});
+    }
+  };
+  std::vector<RowMatrix<T>> sequential(kThreads), concurrent(kThreads);
+  for (int id = 0; id < kThreads; ++id) {
+    sequential[std::size_t(id)].resize(kQueries, layer.heads_width());
+    concurrent[std::size_t(id)].resize(kQueries, layer.heads_width());
+    run(id, sequential[std::size_t(id)]);
+  }
+  std::vector<std::thread> threads;
+  for (int id = 0; id < kThreads; ++id) {
+    threads.emplace_back(run, id, std::ref(concurrent[std::size_t(id)]));
+  }
+  for (auto& t : threads) t.join();
+  for (int id = 0; id < kThreads; ++id) {
+    CAPTURE(id);
+    CHECK(concurrent[std::size_t(id)] == sequential[std::size_t(id)]);
+    CHECK(sequential[std::size_t(id)].allFinite());
+  }
+  CHECK(cache.tokens() == 300);
+}
+
+// decode takes x and out as 1 x d matrices in every layer, so a 2 x d x is a
+// shape_error naming its real shape, in every build type (not row 0 decoded silently).
+template <class Layer>
+void check_two_row_decode(const Layer& layer, const char* name) {
+  using T = typename Layer::scalar_type;
+  const Index d = layer.config().d_model;
+  auto cache = layer.make_cache();
+  layer.prefill(test::random_input<T>(3, d, 1), cache);
+  const RowMatrix<T> two_rows = test::random_input<T>(2, d, 2);
+  RowMatrix<T> out(1, d);
+  const std::string shape = "(2 x " + std::to_string(d) + ")";
+  CHECK_THROWS_MATCHES(
+      layer.decode(two_rows, cache, out), shape_error,
+      Catch::Matchers::Message(std::string(name) + "::decode: x has shape " + shape +
+                               ", expected (1 x " + std::to_string(d) + ")"));
+  RowMatrix<T> wide_out(2, d);
+  CHECK_THROWS_AS(layer.decode(two_rows.topRows(1), cache, wide_out), shape_error);
+  CHECK(cache.tokens() == 3);
+}
+
+}  // namespace
+
+TEST_CASE("several threads attend over one const cache at once, bitwise as in sequence",
+          "[threads][gqa][mla][lrkv]") {
+  SECTION("GQA") { check_concurrent_attend(GqaLayer<float>::random(gqa_config(32, 8, 8, 2), 1)); }
+  SECTION("MHA double") {
+    check_concurrent_attend(GqaLayer<double>::random(mha_config(16, 4, 4), 2));
+  }
+  SECTION("MLA") { check_concurrent_attend(MlaLayer<float>::random(small_mla(), 3)); }
+  SECTION("LRKV") { check_concurrent_attend(LrkvLayer<float>::random(small_lrkv(), 4)); }
+}
+
+TEST_CASE("decode refuses a two-row x in every layer", "[reliability][gqa][mla][lrkv]") {
+  check_two_row_decode(GqaLayer<float>::random(gqa_config(16, 4, 4, 2), 1), "GqaLayer");
+  check_two_row_decode(MlaLayer<float>::random(small_mla(), 2), "MlaLayer");
+  check_two_row_decode(LrkvLayer<float>::random(small_lrkv(), 3), "LrkvLayer");
+}
+
+namespace {
+
+// `thrower` must throw E; E is caught as std::exception, as its standard base
+// `Standard` and as kvattn::error, with the same message each way.
+template <class E, class Standard>
+void check_catchable(const std::function<void()>& thrower) {
+  std::string message;
+  try {
+    thrower();
+    FAIL("nothing thrown");
+  } catch (const std::exception& e) {
+    CHECK(dynamic_cast<const E*>(&e) != nullptr);
+    message = e.what();
+  }
+  CHECK_FALSE(message.empty());
+  try {
+    thrower();
+  } catch (const Standard& e) {
+    CHECK(e.what() == message);
+  }
+  try {
+    thrower();
+  } catch (const kvattn::error& e) {
+    CHECK(e.what() == message);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every kvattn exception is a std::exception, its standard base and kvattn::error",
+          "[reliability]") {
+  check_catchable<config_error, std::invalid_argument>([] { gqa_config(8, 12, 4, 5).validate(); });
+  check_catchable<shape_error, std::invalid_argument>([] {
+    GqaCache<float> cache(gqa_config(8, 2, 4, 2));
+    cache.truncate(3);
+  });
+  check_catchable<pooling_error, std::invalid_argument>(
+      [] { detail::check_pool_input("pool", RowMatrix<float>(0, 4), 4, {}); });
+  check_catchable<kvattn::overflow_error, std::overflow_error>([] {
+    analysis::elements_per_token(analysis::cache_layout(gqa_config(1024, 1024, 1024, 1024)),
+                                 Index{1} << 60);
+  });
+  // The mixin base alone is not a std::exception (no ambiguous std::exception base).
+  static_assert(!std::is_base_of_v<std::exception, kvattn::error>);
+  static_assert(std::is_base_of_v<kvattn::error, config_error>);
+  static_assert(std::is_base_of_v<std::invalid_argument, shape_error>);
+}
