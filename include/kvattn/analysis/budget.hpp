@@ -70,6 +70,46 @@ constexpr bool valid(const Config& config) {
   return true;
 }
 
+/// The largest divisor of n (>= 1) not above `limit` (>= 1): n's prime factors by trial
+/// division (fast unless n has a huge prime factor), then every divisor from them (at
+/// most a few thousand for any 64-bit n).
+constexpr Index largest_divisor_at_most(Index n, Index limit) {
+  Index primes[64] = {};
+  int powers[64] = {};
+  int count = 0;
+  Index rest = n;
+  for (Index p = 2; p <= rest / p; ++p) {
+    if (rest % p != 0) continue;
+    primes[count] = p;
+    while (rest % p == 0) {
+      rest /= p;
+      ++powers[count];
+    }
+    ++count;
+  }
+  if (rest > 1) {
+    primes[count] = rest;
+    powers[count] = 1;
+    ++count;
+  }
+  // Depth-first over the exponents; every partial product divides n, so none overflows.
+  Index best = 1;
+  auto visit = [&](auto&& self, int index, Index divisor) -> void {
+    if (index == count) {
+      if (divisor <= limit && divisor > best) best = divisor;
+      return;
+    }
+    Index value = divisor;
+    for (int e = 0; e <= powers[index]; ++e) {
+      if (value > limit) break;  // larger powers only grow
+      self(self, index + 1, value);
+      if (e < powers[index]) value *= primes[index];
+    }
+  };
+  visit(visit, 0, 1);
+  return best;
+}
+
 }  // namespace detail
 
 /// The real-valued bound on d_c from an elements budget: B / l - d_R (seed 002:
@@ -147,14 +187,7 @@ constexpr std::optional<Index> max_kv_heads(GqaConfig base, Index layers, const 
     (fits_at(mid) ? lo : hi) = mid;
   }
   if (lo == base.n_heads) return lo;
-  // The largest divisor of H not above lo: every divisor d <= sqrt(H) pairs with H / d.
-  Index best = 1;
-  for (Index d = 1; d <= base.n_heads / d; ++d) {
-    if (base.n_heads % d != 0) continue;
-    if (d <= lo) best = std::max(best, d);
-    if (base.n_heads / d <= lo) best = std::max(best, base.n_heads / d);
-  }
-  return best;
+  return detail::largest_divisor_at_most(base.n_heads, lo);
 }
 
 }  // namespace kvattn::analysis

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include <Eigen/Eigenvalues>
@@ -51,11 +52,14 @@ struct HeadDiversity {
 };
 
 /// exp(-sum p_i ln p_i) over the eigenvalues l_i of a symmetric matrix (n x n), clamped
-/// at 0, with p_i = l_i / sum l and 0 ln 0 = 0. Returns 0 when every eigenvalue is 0.
+/// at 0, with p_i = l_i / sum l and 0 ln 0 = 0. Returns 0 when every eigenvalue is 0, and
+/// NaN when the matrix holds a NaN or an infinity (a bad input shows; it never reads as
+/// rank 0).
 inline double effective_rank(const RowMatrix<double>& symmetric) {
   kvattn::detail::check_shape("analysis::effective_rank", "matrix", symmetric, symmetric.cols(),
                               -1);
   if (symmetric.rows() == 0) return 0.0;
+  if (!symmetric.allFinite()) return std::numeric_limits<double>::quiet_NaN();
   const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(symmetric, Eigen::EigenvaluesOnly);
   const Eigen::VectorXd lambda = solver.eigenvalues().cwiseMax(0.0);
   const double total = lambda.sum();
@@ -103,11 +107,19 @@ inline RowMatrix<double> operator_gram(const ConstMatrixRef<double>& query_maps,
 }
 
 /// The diversity of H heads given their query and key maps (shapes as operator_gram).
-/// Throws config_error when a head's operator is zero (it has no direction).
+/// Throws config_error when a head's operator is zero (it has no direction) or not
+/// finite (a NaN or an infinity in the weights).
 inline HeadDiversity head_diversity(const ConstMatrixRef<double>& query_maps,
                                     const ConstMatrixRef<double>& key_maps, Index n_heads) {
   const RowMatrix<double> raw = operator_gram(query_maps, key_maps, n_heads);
   Eigen::VectorXd norm = raw.diagonal().cwiseMax(0.0).cwiseSqrt();
+  for (Index h = 0; h < n_heads; ++h) {  // a NaN weight shows, never as "zero operator"
+    if (!std::isfinite(raw(h, h))) {
+      throw config_error("analysis::head_diversity: head " + std::to_string(h) +
+                         "'s operator W_h^Q W_h^K^T is not finite (squared norm " +
+                         std::to_string(raw(h, h)) + "): the weights hold a NaN or an infinity");
+    }
+  }
   for (Index h = 0; h < n_heads; ++h) {
     kvattn::detail::require(norm(h) > 0.0, "analysis::head_diversity", "head", h,
                             "has a zero operator W_h^Q W_h^K^T; it has no direction to compare");

@@ -1,0 +1,134 @@
+// Fault injection: makes the N-th heap allocation from now fail, to test that every
+// mutating call keeps the strong guarantee when memory runs out. Include it FIRST, in
+// exactly one translation unit per test executable (it replaces the global operator
+// new/delete and Eigen's assertion macro). Not for the sanitizer build, where
+// AddressSanitizer owns the allocator (tests/CMakeLists.txt leaves these tests out).
+//
+// What counts as an allocation: every replaceable operator new (plain, nothrow, array,
+// and the std::align_val_t forms that cache buffers use), and every heap allocation
+// of Eigen (its run-time malloc check, EIGEN_RUNTIME_NO_MALLOC, is kept failing while
+// armed, and the eigen_assert below turns that one assertion into a counted
+// allocation). C allocations by the OpenMP runtime are not counted: libgomp ends the
+// process when its own allocations fail, so tests start the thread team before arming.
+#pragma once
+
+#define EIGEN_RUNTIME_NO_MALLOC
+#include <cstring>
+#include <stdexcept>
+
+namespace kvattn::test::fault {
+void eigen_assertion(const char* expression);
+}  // namespace kvattn::test::fault
+
+#define eigen_assert(x)                                   \
+  do {                                                    \
+    if (!(x)) ::kvattn::test::fault::eigen_assertion(#x); \
+  } while (false)
+
+#include <Eigen/Core>
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
+namespace kvattn::test::fault {
+
+inline std::atomic<bool> armed{false};
+inline std::atomic<long> countdown{0};    // the allocation that takes it to 0 fails
+inline std::atomic<long> allocations{0};  // allocations seen while armed
+
+/// Called for every allocation: true for the one that must fail.
+inline bool next_allocation_fails() {
+  if (!armed.load(std::memory_order_relaxed)) return false;
+  ++allocations;
+  return countdown.fetch_sub(1) == 1;
+}
+
+/// From now on the n-th allocation (n >= 1) fails with std::bad_alloc.
+inline void arm(long n) {
+  allocations = 0;
+  countdown = n;
+  Eigen::internal::set_is_malloc_allowed(false);  // every Eigen allocation asks us
+  armed = true;
+}
+
+inline void disarm() {
+  armed = false;
+  Eigen::internal::set_is_malloc_allowed(true);
+}
+
+/// eigen_assert's failure: Eigen's "heap allocation is forbidden" check is an
+/// allocation (it fails when its turn comes, else proceeds); anything else is a real
+/// assertion and throws std::logic_error.
+inline void eigen_assertion(const char* expression) {
+  if (std::strstr(expression, "heap allocation is forbidden") != nullptr) {
+    if (next_allocation_fails()) throw std::bad_alloc();
+    return;
+  }
+  throw std::logic_error(std::string("eigen_assert failed: ") + expression);
+}
+
+/// Runs body(); returns true if it threw std::bad_alloc (injected or not).
+template <class Body>
+bool throws_bad_alloc(Body&& body) {
+  try {
+    body();
+  } catch (const std::bad_alloc&) {
+    return true;
+  }
+  return false;
+}
+
+inline void* allocate(std::size_t size) {
+  if (next_allocation_fails()) return nullptr;
+  return std::malloc(size == 0 ? 1 : size);
+}
+
+inline void* allocate_aligned(std::size_t size, std::align_val_t alignment) {
+  if (next_allocation_fails()) return nullptr;
+  const auto align = static_cast<std::size_t>(alignment);
+  const std::size_t rounded = (size == 0 ? 1 : size + align - 1) / align * align;
+  return std::aligned_alloc(align, rounded);
+}
+
+}  // namespace kvattn::test::fault
+
+void* operator new(std::size_t size) {
+  if (void* p = kvattn::test::fault::allocate(size)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size) {
+  if (void* p = kvattn::test::fault::allocate(size)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
+  return kvattn::test::fault::allocate(size);
+}
+void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
+  return kvattn::test::fault::allocate(size);
+}
+void* operator new(std::size_t size, std::align_val_t alignment) {
+  if (void* p = kvattn::test::fault::allocate_aligned(size, alignment)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size, std::align_val_t alignment) {
+  if (void* p = kvattn::test::fault::allocate_aligned(size, alignment)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t size, std::align_val_t alignment, const std::nothrow_t&) noexcept {
+  return kvattn::test::fault::allocate_aligned(size, alignment);
+}
+void* operator new[](std::size_t size, std::align_val_t alignment, const std::nothrow_t&) noexcept {
+  return kvattn::test::fault::allocate_aligned(size, alignment);
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }

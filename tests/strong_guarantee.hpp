@@ -1,0 +1,156 @@
+// The strong guarantee under allocation failure, for every call that changes a cache:
+// run the call with the 1st, 2nd, ... allocation failing (tests/fault_injection.hpp)
+// until it succeeds; after each failure the cache must be bitwise as it was (tokens,
+// capacity, bytes, stored rows), and a following decode — with the workspace the failed
+// call may have left half-sized — must equal the decode of a cache that never saw the
+// failed call. Include fault_injection.hpp first, then this header.
+#pragma once
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kvattn/attention/gqa.hpp"
+#include "kvattn/attention/lrkv.hpp"
+#include "kvattn/attention/mla.hpp"
+#include "test_util.hpp"
+
+namespace kvattn::test {
+
+/// Everything a failed call must leave as it was.
+struct CacheState {
+  Index tokens = 0;
+  Index capacity = 0;
+  std::size_t bytes = 0;
+  std::size_t capacity_bytes = 0;
+  std::vector<unsigned char> rows;  // every stored row's bytes, in order
+  bool operator==(const CacheState&) const = default;
+};
+
+template <class Rows>
+void append_bytes(std::vector<unsigned char>& out, const Rows& rows) {
+  for (Index t = 0; t < rows.rows(); ++t) {
+    const auto* p = reinterpret_cast<const unsigned char*>(rows.row(t).data());
+    out.insert(out.end(), p, p + rows.cols() * sizeof(typename Rows::Scalar));
+  }
+}
+
+template <class T, class S>
+CacheState state_of(const GqaCache<T, S>& cache) {
+  CacheState s{cache.tokens(), cache.capacity(), cache.bytes(), cache.capacity_bytes(), {}};
+  for (Index g = 0; g < cache.config().n_kv_heads; ++g) {
+    append_bytes(s.rows, cache.keys(g));
+    append_bytes(s.rows, cache.values(g));
+  }
+  return s;
+}
+template <class T, class S>
+CacheState state_of(const MlaCache<T, S>& cache) {
+  CacheState s{cache.tokens(), cache.capacity(), cache.bytes(), cache.capacity_bytes(), {}};
+  append_bytes(s.rows, cache.rows());
+  return s;
+}
+template <class T, class S>
+CacheState state_of(const LrkvCache<T, S>& cache) {
+  CacheState s{cache.tokens(), cache.capacity(), cache.bytes(), cache.capacity_bytes(), {}};
+  append_bytes(s.rows, cache.shared_keys());
+  append_bytes(s.rows, cache.shared_values());
+  append_bytes(s.rows, cache.residual_keys());
+  append_bytes(s.rows, cache.residual_values());
+  append_bytes(s.rows, cache.rope_keys());
+  append_bytes(s.rows, cache.key_rms());
+  return s;
+}
+
+/// Runs call(cache, workspace) on copies of `start` with the n-th allocation failing,
+/// n = 1, 2, ..., until a run succeeds; checks the guarantee after every failure, and
+/// that the successful run leaves the cache as a run without any failure does. Each
+/// run gets a new, unsized workspace, so that sizing it is exercised too. Returns the
+/// number of failing runs (the allocations the call makes).
+template <class Layer, class Cache, class Call>
+long check_every_allocation_failure(const std::string& what, const Layer& layer, const Cache& start,
+                                    Threads threads, Call call) {
+  using T = typename Layer::scalar_type;
+  using Workspace = typename Layer::Workspace;
+  const Index d = layer.config().d_model;
+  const RowMatrix<T> next = random_input<T>(1, d, 99);
+  // Untouched: what a following decode gives on a cache that never saw the call.
+  RowMatrix<T> want(1, d);
+  {
+    Cache fresh = start;
+    Workspace ws = layer.make_workspace(threads);
+    layer.decode(next, fresh, want, ws, threads);
+  }
+  // Succeeded without failures: the state every successful run must reach.
+  CacheState after;
+  {
+    Cache clean = start;
+    Workspace ws;
+    call(clean, ws);
+    after = state_of(clean);
+  }
+  const CacheState before = state_of(start);
+  long failures = 0;
+  for (long n = 1;; ++n) {
+    Cache cache = start;  // copies allocate: before arming
+    Workspace ws;
+    const bool failed = fault::throws_bad_alloc([&] {
+      fault::arm(n);
+      call(cache, ws);
+    });
+    fault::disarm();
+    INFO(what << ", threads " << threads.count << ", allocation " << n << " failing");
+    if (!failed) {
+      CHECK(state_of(cache) == after);
+      break;
+    }
+    ++failures;
+    CHECK(state_of(cache) == before);
+    RowMatrix<T> got(1, d);
+    layer.decode(next, cache, got, ws, threads);
+    CHECK(got == want);
+    REQUIRE(n < 10000);
+  }
+  return failures;
+}
+
+/// The calls that change a cache (prefill, decode, append, reserve) and attend, each
+/// through check_every_allocation_failure, on a cache of 16 tokens that is exactly full
+/// (so the next token needs a larger buffer). `rows_of(n)` makes n tokens of raw rows.
+template <class S, class Layer, class RowsOf, class Prefill>
+void check_layer(const std::string& name, const Layer& layer, Threads threads, RowsOf rows_of,
+                 Prefill prefill) {
+  using T = typename Layer::scalar_type;
+  using Cache = typename Layer::template cache_type<S>;
+  using Workspace = typename Layer::Workspace;
+  const Index d = layer.config().d_model;
+  Cache start = layer.template make_cache<S>();
+  start.append(rows_of(16));
+  REQUIRE(start.capacity() == start.tokens());
+  const RowMatrix<T> x = random_input<T>(5, d, 3);
+  const RowMatrix<T> query = random_input<T>(1, layer.query_width(), 4);
+  {  // start the OpenMP thread team before anything is armed
+    Cache warm = start;
+    layer.prefill(x, warm, threads);
+  }
+  const std::string label = name + (sizeof(S) == sizeof(T) ? " fp32" : " bf16");
+  CHECK(check_every_allocation_failure(label + " prefill", layer, start, threads,
+                                       [&](Cache& c, Workspace&) { prefill(c, x, threads); }) > 0);
+  CHECK(check_every_allocation_failure(label + " decode", layer, start, threads,
+                                       [&](Cache& c, Workspace& ws) {
+                                         RowMatrix<T> out(1, d);
+                                         layer.decode(x.topRows(1), c, out, ws, threads);
+                                       }) > 0);
+  CHECK(check_every_allocation_failure(label + " attend", layer, start, threads,
+                                       [&](Cache& c, Workspace& ws) {
+                                         RowMatrix<T> heads(1, layer.heads_width());
+                                         layer.attend(query, c, heads, ws, threads);
+                                       }) > 0);
+  const auto rows = rows_of(3);
+  CHECK(check_every_allocation_failure(label + " append", layer, start, threads,
+                                       [&](Cache& c, Workspace&) { c.append(rows); }) > 0);
+  CHECK(check_every_allocation_failure(label + " reserve", layer, start, threads,
+                                       [&](Cache& c, Workspace&) { c.reserve(100); }) > 0);
+}
+
+}  // namespace kvattn::test

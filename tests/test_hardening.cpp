@@ -1,0 +1,204 @@
+// Hostile input to the library (issue 12's findings, each reproduced on the old code):
+// dimensions whose products overflow 64 bits, unbounded Threads, the budget solvers at
+// the 64-bit limit, RoPE widths checked before anything is allocated, NaN weights in
+// the head-diversity analysis, and key RMS values an LRKV cache cannot divide by. Each
+// expected value is derived by hand in the comment beside it.
+#include <catch2/catch.hpp>
+
+#include <climits>
+#include <cmath>
+#include <limits>
+
+#include "kvattn/analysis/budget.hpp"
+#include "kvattn/analysis/cache_size.hpp"
+#include "kvattn/analysis/head_diversity.hpp"
+#include "kvattn/attention/gqa.hpp"
+#include "kvattn/attention/lrkv.hpp"
+#include "kvattn/attention/mla.hpp"
+#include "kvattn/core/rope.hpp"
+#include "kvattn/core/yarn.hpp"
+#include "test_util.hpp"
+
+using namespace kvattn;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr Index k32 = Index{1} << 32;
+constexpr Index k62 = Index{1} << 62;
+
+}  // namespace
+
+TEST_CASE("GQA dimensions whose products overflow are a config_error naming the fields",
+          "[reliability][gqa]") {
+  // H d_h = 2^64 wraps to 0: the old validate() passed, the layer got a 1 x 0 w_q and
+  // append segfaulted.
+  const GqaConfig huge = gqa_config(1, k32, k32, k32);
+  CHECK_THROWS_MATCHES(huge.validate(), config_error,
+                       Catch::Matchers::Message(
+                           "GqaConfig: query width n_heads x head_dim (4294967296 x 4294967296) "
+                           "does not fit in a signed 64-bit size in bytes; the dimensions are "
+                           "too large"));
+  CHECK_THROWS_AS(GqaLayer<float>::random(huge, 1), config_error);
+  CHECK_THROWS_AS(GqaCache<float>(huge), config_error);
+  // 2^62 x 1 fits as a count but not in bytes of an 8-byte scalar (2^65).
+  CHECK_THROWS_WITH(gqa_config(1, k62, 1, k62).validate(), Contains("n_heads x head_dim"));
+  // d_model x H d_h = 2^31 x 2^31 = 2^62 elements, 2^65 bytes: the weight is refused.
+  CHECK_THROWS_WITH(gqa_config(Index{1} << 31, 1, Index{1} << 31, 1).validate(),
+                    Contains("w_q elements d_model x (n_heads x head_dim)"));
+  // The largest sizes that fit stay valid: 2 n_kv d_h = 2^59 elements is 2^62 bytes.
+  CHECK_NOTHROW(gqa_config(1, Index{1} << 58, 1, Index{1} << 58).validate());
+}
+
+TEST_CASE("MLA dimensions whose products overflow are a config_error naming the fields",
+          "[reliability][mla]") {
+  MlaConfig c;
+  c.d_model = 1;
+  c.n_heads = 1;
+  c.kv_rank = 1;
+  c.qk_nope_dim = 1;
+  c.v_dim = 1;
+  // kv_rank + rope_dim = 2^63 - 1 + 1 overflows: the old cache reported INT64_MIN
+  // elements per token.
+  c.kv_rank = std::numeric_limits<Index>::max();
+  c.rope_dim = 2;
+  CHECK_THROWS_WITH(c.validate(), Contains("elements per token kv_rank + rope_dim"));
+  CHECK_THROWS_AS(MlaCache<float>(c), config_error);
+  c.kv_rank = 1;
+  c.rope_dim = 0;
+  // H (d_nope + d_R) = 2^32 x 2^32 wraps: the query width.
+  c.n_heads = k32;
+  c.qk_nope_dim = k32;
+  CHECK_THROWS_WITH(c.validate(), Contains("query width n_heads x (qk_nope_dim + rope_dim)"));
+  c.n_heads = 1;
+  c.qk_nope_dim = 1;
+  c.kv_rank = k62;  // 2^62 elements per token: 2^65 bytes
+  CHECK_THROWS_AS(c.validate(), config_error);
+  CHECK_THROWS_AS(MlaLayer<float>::random(c, 1), config_error);
+}
+
+TEST_CASE("LRKV dimensions whose products overflow are a config_error naming the fields",
+          "[reliability][lrkv]") {
+  // H r = 2^32 x 2^32 wraps: the old cache width (d_h + H r) overflowed.
+  LrkvConfig c{1, k32, k32, k32};
+  CHECK_THROWS_WITH(c.validate(), Contains("n_heads x head_dim"));
+  c = LrkvConfig{1, k62, 1, 1};  // H r = 2^62 fits, but not in bytes
+  CHECK_THROWS_WITH(c.validate(), Contains("n_heads x head_dim"));
+  c = LrkvConfig{1, Index{1} << 40, 1 << 20, 1 << 20};  // H d_h = 2^60: 2^63 bytes
+  CHECK_THROWS_AS(c.validate(), config_error);
+  CHECK_THROWS_AS(LrkvCache<float>(c), config_error);
+  CHECK_THROWS_AS(LrkvLayer<float>::random(c, 1), config_error);
+}
+
+TEST_CASE("Threads above the documented maximum are a config_error, before any work",
+          "[reliability][threads]") {
+  // Threads{INT_MAX} made libgomp end the process ("Out of memory allocating ...").
+  CHECK_THROWS_MATCHES(Threads{INT_MAX}.resolved(), config_error,
+                       Catch::Matchers::Message("Threads: count (2147483647) must be in [1, "
+                                                "256], or 0 for all available threads"));
+  CHECK_THROWS_AS(Threads{Threads::kMax + 1}.resolved(), config_error);
+  CHECK_NOTHROW(Threads{Threads::kMax}.resolved());
+  CHECK(Threads::all().resolved() >= 1);
+  CHECK(Threads::all().resolved() <= Threads::kMax);
+  const auto layer = GqaLayer<float>::random(gqa_config(16, 4, 4, 2), 1);
+  auto cache = layer.make_cache();
+  const RowMatrix<float> x = test::random_input<float>(5, 16, 2);
+  CHECK_THROWS_AS(layer.prefill(x, cache, Threads{INT_MAX}), config_error);
+  CHECK_THROWS_AS(layer.prefill(x, cache, Threads{100000}), config_error);
+  CHECK(cache.tokens() == 0);
+  CHECK(cache.capacity() == 0);
+  RowMatrix<float> out(1, 16);
+  CHECK_THROWS_AS(layer.decode(x.topRows(1), cache, out, Threads{INT_MAX}), config_error);
+  CHECK_THROWS_AS(layer.make_workspace(Threads{INT_MAX}), config_error);
+  CHECK(cache.tokens() == 0);
+}
+
+TEST_CASE("budget solvers at the 64-bit limit answer instead of overflowing",
+          "[reliability][analysis]") {
+  using namespace analysis;
+  // max_kv_rank(v2, 1 layer, INT64_MAX elements, step 1): every d_c fits the budget, so
+  // the answer is the largest d_c that validate() accepts. W_UK has d_c x (H d_nope) =
+  // d_c x 2^14 elements, 8 bytes each: d_c <= (2^63 - 1) / 2^17, i.e. 2^46 - 1 (W_UV the
+  // same; W_DKV's d x d_c = 5120 d_c and the cache's d_c + 64 allow more).
+  CHECK(max_kv_rank(deepseek_v2_config(), 1, {std::numeric_limits<Index>::max()}, {}, 1) ==
+        (Index{1} << 46) - 1);
+  // H = 2^58 heads of width 1 (the largest power of two whose 2 H d_h fits in bytes):
+  // with the budget of MHA itself the answer is H; with 2^40 elements per token,
+  // 2 n_kv <= 2^40 gives n_kv <= 2^39, a divisor of 2^58.
+  GqaConfig wide = gqa_config(1, Index{1} << 58, 1, 1);
+  CHECK(max_kv_heads(wide, 1, {std::numeric_limits<Index>::max()}) == Index{1} << 58);
+  CHECK(max_kv_heads(wide, 1, {Index{1} << 40}) == Index{1} << 39);
+  // A prime H = 2^31 - 1: only 1 and H divide it.
+  wide.n_heads = 2147483647;
+  CHECK(max_kv_heads(wide, 1, {2 * 2147483646LL}) == 1);
+  CHECK(max_kv_heads(wide, 1, {2 * 2147483647LL}) == 2147483647);
+  // H = 2^62 itself is not a valid layer (its w_q alone is 2^65 bytes of doubles).
+  CHECK_THROWS_AS(max_kv_heads(gqa_config(1, k62, 1, 1), 1, {k62}), config_error);
+  // Largest divisors of small numbers, against a plain loop.
+  for (Index n = 1; n <= 200; ++n) {
+    for (Index limit = 1; limit <= n; limit += 7) {
+      Index want = 1;
+      for (Index d = 1; d <= limit; ++d) want = n % d == 0 ? d : want;
+      CAPTURE(n, limit);
+      CHECK(analysis::detail::largest_divisor_at_most(n, limit) == want);
+    }
+  }
+}
+
+TEST_CASE("RoPE widths are checked before the frequencies are built", "[reliability][rope]") {
+  // Rope({half_split}, -4) threw std::length_error ("cannot create std::vector larger
+  // than max_size()") because the frequencies were built first.
+  CHECK_THROWS_MATCHES(Rope({RopeLayout::half_split, 10000.0, 0}, -4), config_error,
+                       Catch::Matchers::Message("Rope: rotary width (-4) must be even and > 0"));
+  CHECK_THROWS_AS(Rope({RopeLayout::interleaved, 10000.0, 0}, 7), config_error);
+  CHECK_THROWS_AS(rope_inverse_frequencies(-2, 10000.0), config_error);
+  CHECK_THROWS_AS(rope_inverse_frequencies(4, 0.5), config_error);
+  CHECK_THROWS_AS(make_rope({RopeLayout::half_split, 10000.0, 0}, -4, YarnConfig{true, 2.0}),
+                  config_error);
+  CHECK(Rope({RopeLayout::half_split, 10000.0, 0}, 4).dim() == 4);
+  CHECK_FALSE(Rope({}, -4).enabled());  // no rotation: the width is not used
+  // Positions are exact in double up to 2^53; a larger offset is refused.
+  CHECK_THROWS_AS(
+      gqa_config(8, 2, 4, 2, {RopeLayout::half_split, 10000.0, (Index{1} << 53) + 1}).validate(),
+      config_error);
+}
+
+TEST_CASE("head diversity shows a NaN weight instead of hiding it", "[reliability][analysis]") {
+  using namespace analysis;
+  // effective_rank of a matrix with a NaN returned 0 (as if every eigenvalue were 0).
+  RowMatrix<double> m = RowMatrix<double>::Identity(3, 3);
+  CHECK(effective_rank(m) == Approx(3.0).epsilon(1e-12));
+  m(1, 2) = m(2, 1) = std::numeric_limits<double>::quiet_NaN();
+  CHECK(std::isnan(effective_rank(m)));
+  m(1, 2) = m(2, 1) = std::numeric_limits<double>::infinity();
+  CHECK(std::isnan(effective_rank(m)));
+  CHECK(effective_rank(RowMatrix<double>::Zero(3, 3)) == 0.0);
+  // head_diversity with a NaN weight said "head has a zero operator".
+  GqaWeights<double> w = GqaWeights<double>::random(mha_config(8, 2, 4), 1);
+  w.w_q(3, 5) = std::numeric_limits<double>::quiet_NaN();  // column 5: head 1
+  const GqaLayer<double> layer(mha_config(8, 2, 4), w);
+  CHECK_THROWS_AS(head_diversity(layer), config_error);
+  CHECK_THROWS_WITH(head_diversity(layer),
+                    Contains("head 1's operator") && Contains("NaN or an infinity"));
+}
+
+TEST_CASE("an LRKV cache refuses a key RMS it cannot divide by", "[reliability][lrkv]") {
+  LrkvConfig c{8, 2, 4, 2};
+  c.key_norm = true;
+  LrkvCache<double> cache(c);
+  const RowMatrix<double> shared = RowMatrix<double>::Ones(1, 4),
+                          latent = RowMatrix<double>::Ones(1, 4);
+  const RowMatrix<double> none(1, 0);
+  for (const double bad : {0.0, -1.0, std::numeric_limits<double>::quiet_NaN(),
+                           std::numeric_limits<double>::infinity()}) {
+    CAPTURE(bad);
+    RowMatrix<double> rms = RowMatrix<double>::Ones(1, 2);
+    rms(0, 1) = bad;
+    CHECK_THROWS_WITH(cache.append({shared, shared, latent, latent, none, rms}),
+                      Contains("key_rms(0, 1)") && Contains("expected a finite key RMS > 0"));
+    CHECK(cache.tokens() == 0);
+  }
+  CHECK_NOTHROW(
+      cache.append({shared, shared, latent, latent, none, RowMatrix<double>::Ones(1, 2)}));
+  CHECK(cache.tokens() == 1);
+}
