@@ -6,6 +6,7 @@
 
 #include "kvattn/analysis/budget.hpp"
 #include "kvattn/analysis/cache_size.hpp"
+#include "kvattn/analysis/decode_cost.hpp"
 #include "kvattn/analysis/dtype.hpp"
 #include "kvattn/analysis/head_diversity.hpp"
 #include "kvattn/analysis/params.hpp"
