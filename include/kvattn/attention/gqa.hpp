@@ -88,14 +88,6 @@ struct GqaWeights {
   }
 };
 
-namespace detail {
-inline std::string describe(const GqaConfig& c) {
-  return "{d_model " + std::to_string(c.d_model) + ", n_heads " + std::to_string(c.n_heads) +
-         ", head_dim " + std::to_string(c.head_dim) + ", n_kv_heads " +
-         std::to_string(c.n_kv_heads) + "}";
-}
-}  // namespace detail
-
 /// A GQA-family attention layer (models AttentionLayer). Immutable after construction:
 /// one layer may be used from several threads at once, each with its own workspace.
 template <class T>

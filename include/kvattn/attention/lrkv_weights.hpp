@@ -31,13 +31,6 @@ namespace kvattn {
 
 namespace detail {
 
-inline std::string describe(const LrkvConfig& c) {
-  return "{d_model " + std::to_string(c.d_model) + ", n_heads " + std::to_string(c.n_heads) +
-         ", head_dim " + std::to_string(c.head_dim) + ", rank " + std::to_string(c.rank) +
-         ", rope_mode " + to_string(c.rope_mode) + ", rope_dim " + std::to_string(c.rope_dim) +
-         ", key_norm " + (c.key_norm ? "on" : "off") + "}";
-}
-
 /// The two dims (a, b) of rotary plane p of a width-`dim` RoPE in `layout`.
 inline std::pair<Index, Index> rope_plane_dims(RopeLayout layout, Index dim, Index p) {
   if (layout == RopeLayout::half_split) return {p, p + dim / 2};

@@ -132,17 +132,6 @@ struct MlaWeights {
   }
 };
 
-namespace detail {
-
-inline std::string describe(const MlaConfig& c) {
-  return "{d_model " + std::to_string(c.d_model) + ", n_heads " + std::to_string(c.n_heads) +
-         ", kv_rank " + std::to_string(c.kv_rank) + ", q_rank " + std::to_string(c.q_rank) +
-         ", qk_nope_dim " + std::to_string(c.qk_nope_dim) + ", rope_dim " +
-         std::to_string(c.rope_dim) + ", v_dim " + std::to_string(c.v_dim) + "}";
-}
-
-}  // namespace detail
-
 /// An MLA layer (models AttentionLayer). Immutable after construction: one layer may be
 /// used from several threads at once, each with its own workspace.
 template <class T>

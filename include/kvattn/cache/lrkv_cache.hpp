@@ -17,6 +17,36 @@ namespace kvattn {
 template <class T>
 class LrkvLayer;
 
+namespace detail {
+
+/// The shapes of LRKV raw rows (see LrkvCache::rows_type) and, with `values`, that every
+/// key RMS is finite and > 0 (logits are divided by it). Throws shape_error.
+template <class Rows>
+void check_lrkv_rows(const char* where, const LrkvConfig& config, const Rows& rows, bool values) {
+  const Index n = rows.shared_keys.rows();
+  const Index dh = config.head_dim;
+  const Index hr = config.residual_width();
+  check_shape(where, "shared_keys", rows.shared_keys, -1, dh);
+  check_shape(where, "shared_values", rows.shared_values, n, dh);
+  check_shape(where, "residual_keys", rows.residual_keys, n, hr);
+  check_shape(where, "residual_values", rows.residual_values, n, hr);
+  check_shape(where, "rope_keys", rows.rope_keys, n, config.decoupled_dim());
+  check_shape(where, "key_rms", rows.key_rms, n, config.key_norm ? config.n_heads : 0);
+  if (!values) return;
+  for (Index t = 0; t < rows.key_rms.rows(); ++t) {
+    for (Index h = 0; h < rows.key_rms.cols(); ++h) {
+      const double rho = static_cast<double>(rows.key_rms(t, h));
+      if (!(rho > 0.0) || !std::isfinite(rho)) {
+        throw shape_error(std::string(where) + ": key_rms(" + std::to_string(t) + ", " +
+                          std::to_string(h) + ") is " + std::to_string(rho) +
+                          ", expected a finite key RMS > 0 (logits are divided by it)");
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
 /// Per token (seed 000, Eqs. 4-5 and the cache table):
 ///   key row    [ k~_s,t (d_h) | r~_1,t ... r~_H,t (r each) | k~_R,t (d_R, decoupled) ]
 ///   value row  [ v_s,t  (d_h) | r^V_1,t ... r^V_H,t (r each) ]
@@ -107,18 +137,7 @@ class LrkvCache {
 
   /// Appends n tokens of raw rows (shapes above). Strong exception guarantee.
   void append(const rows_type& rows) {
-    constexpr const char* where = "LrkvCache::append";
-    check_rows(where, rows);
-    for (Index t = 0; t < rows.key_rms.rows(); ++t) {
-      for (Index h = 0; h < rows.key_rms.cols(); ++h) {
-        const double rho = static_cast<double>(rows.key_rms(t, h));
-        if (!(rho > 0.0) || !std::isfinite(rho)) {
-          throw shape_error(std::string(where) + ": key_rms(" + std::to_string(t) + ", " +
-                            std::to_string(h) + ") is " + std::to_string(rho) +
-                            ", expected a finite key RMS > 0 (logits are divided by it)");
-        }
-      }
-    }
+    detail::check_lrkv_rows("LrkvCache::append", config_, rows, true);
     append_unchecked(rows);
   }
 
@@ -157,18 +176,6 @@ class LrkvCache {
 
  private:
   friend class LrkvLayer<T>;
-
-  void check_rows(const char* where, const rows_type& rows) const {
-    const Index n = rows.shared_keys.rows();
-    const Index dh = config_.head_dim;
-    const Index hr = config_.n_heads * config_.rank;
-    detail::check_shape(where, "shared_keys", rows.shared_keys, -1, dh);
-    detail::check_shape(where, "shared_values", rows.shared_values, n, dh);
-    detail::check_shape(where, "residual_keys", rows.residual_keys, n, hr);
-    detail::check_shape(where, "residual_values", rows.residual_values, n, hr);
-    detail::check_shape(where, "rope_keys", rows.rope_keys, n, config_.decoupled_dim());
-    detail::check_shape(where, "key_rms", rows.key_rms, n, config_.key_norm ? config_.n_heads : 0);
-  }
 
   // Appends rows a layer computed (shapes checked by it; a NaN key RMS from a NaN input
   // is kept, so the bad input shows in the output). Strong exception guarantee.

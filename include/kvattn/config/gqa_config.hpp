@@ -1,6 +1,8 @@
 // Configuration of the MHA / GQA / MQA family.
 #pragma once
 
+#include <string>
+
 #include "kvattn/config/rope_config.hpp"
 #include "kvattn/config/rules.hpp"
 #include "kvattn/core/index.hpp"
@@ -76,5 +78,14 @@ constexpr GqaConfig gqa_config(Index d_model, Index n_heads, Index head_dim, Ind
 constexpr GqaConfig mqa_config(Index d_model, Index n_heads, Index head_dim, RopeConfig rope = {}) {
   return {d_model, n_heads, head_dim, 1, false, rope, 0.0};
 }
+
+namespace detail {
+/// The shape of a config in one line, for error messages and page-pool layouts.
+inline std::string describe(const GqaConfig& c) {
+  return "{d_model " + std::to_string(c.d_model) + ", n_heads " + std::to_string(c.n_heads) +
+         ", head_dim " + std::to_string(c.head_dim) + ", n_kv_heads " +
+         std::to_string(c.n_kv_heads) + "}";
+}
+}  // namespace detail
 
 }  // namespace kvattn

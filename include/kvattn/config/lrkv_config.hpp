@@ -6,6 +6,8 @@
 // latents R_h^K, R_h^V (r per token), 2 * (d_h + H * r) elements per token.
 #pragma once
 
+#include <string>
+
 #include "kvattn/config/rope_config.hpp"
 #include "kvattn/config/rules.hpp"
 #include "kvattn/core/index.hpp"
@@ -170,5 +172,15 @@ struct LrkvConfig {
 
   constexpr bool operator==(const LrkvConfig&) const = default;
 };
+
+namespace detail {
+/// The shape of a config in one line, for error messages and page-pool layouts.
+inline std::string describe(const LrkvConfig& c) {
+  return "{d_model " + std::to_string(c.d_model) + ", n_heads " + std::to_string(c.n_heads) +
+         ", head_dim " + std::to_string(c.head_dim) + ", rank " + std::to_string(c.rank) +
+         ", rope_mode " + to_string(c.rope_mode) + ", rope_dim " + std::to_string(c.rope_dim) +
+         ", key_norm " + (c.key_norm ? "on" : "off") + "}";
+}
+}  // namespace detail
 
 }  // namespace kvattn

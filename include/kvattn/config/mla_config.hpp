@@ -4,6 +4,8 @@
 // config.json key is given where it differs.
 #pragma once
 
+#include <string>
+
 #include "kvattn/config/rope_config.hpp"
 #include "kvattn/config/rules.hpp"
 #include "kvattn/config/yarn_config.hpp"
@@ -140,5 +142,15 @@ constexpr MlaConfig deepseek_v3_config() {
   c.yarn.mscale_all_dim = 1.0;
   return c;
 }
+
+namespace detail {
+/// The shape of a config in one line, for error messages and page-pool layouts.
+inline std::string describe(const MlaConfig& c) {
+  return "{d_model " + std::to_string(c.d_model) + ", n_heads " + std::to_string(c.n_heads) +
+         ", kv_rank " + std::to_string(c.kv_rank) + ", q_rank " + std::to_string(c.q_rank) +
+         ", qk_nope_dim " + std::to_string(c.qk_nope_dim) + ", rope_dim " +
+         std::to_string(c.rope_dim) + ", v_dim " + std::to_string(c.v_dim) + "}";
+}
+}  // namespace detail
 
 }  // namespace kvattn

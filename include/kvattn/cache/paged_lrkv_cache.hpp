@@ -1,0 +1,151 @@
+// The paged KV cache of LRKV: LrkvCache's key rows, value rows and key RMS in pages of a
+// shared PagePool.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "kvattn/cache/kv_cache.hpp"
+#include "kvattn/cache/lrkv_cache.hpp"
+#include "kvattn/cache/page_pool.hpp"
+#include "kvattn/cache/paged_gqa_cache.hpp"
+#include "kvattn/cache/paged_rows.hpp"
+#include "kvattn/config/lrkv_config.hpp"
+#include "kvattn/core/errors.hpp"
+#include "kvattn/core/types.hpp"
+
+namespace kvattn {
+
+template <class T>
+class LrkvLayer;
+
+namespace detail {
+// Three blocks per page: key RMS rows (norm_type, key_norm only), key rows
+// [k~_s | r~_1..H | k~_R] and value rows [v_s | r^V_1..H] (storage S). The wider
+// norm_type comes first, so packed pages keep every element aligned: a page's bytes are
+// page_tokens x (H sizeof(norm_type) + (2 d_h + 2 H r + d_R) sizeof(S)), and 2 d_h +
+// 2 H r + d_R is even (d_R is), so a page is a multiple of 4 bytes even for 2-byte S.
+template <class S>
+PageLayout lrkv_page_layout(const LrkvConfig& c, Index page_tokens) {
+  c.validate();
+  using norm_type = typename LrkvCache<float, S>::norm_type;
+  const Index residual = c.residual_width();
+  return page_layout(page_tokens,
+                     {PageBlock{c.key_norm ? c.n_heads : 0, sizeof(norm_type), 0},
+                      PageBlock{c.head_dim + residual + c.decoupled_dim(), sizeof(S), 0},
+                      PageBlock{c.head_dim + residual, sizeof(S), 0}});
+}
+}  // namespace detail
+
+/// A pool of pages for LRKV caches of `config` with storage type S.
+template <class S>
+std::shared_ptr<PagePool> make_lrkv_page_pool(const LrkvConfig& config, Index page_tokens,
+                                              Index max_pages) {
+  const auto layout = detail::lrkv_page_layout<S>(config, page_tokens);
+  return std::make_shared<PagePool>(
+      detail::page_layout_name<S>("LrkvCache", detail::describe(config), page_tokens), page_tokens,
+      layout.page_bytes, max_pages);
+}
+
+/// LrkvCache's rows in pool pages (see PagedGqaCache for the paging rules).
+template <class T, class S = T>
+class PagedLrkvCache {
+ public:
+  using compute_type = T;
+  using storage_type = S;
+  using rows_type = typename LrkvCache<T, S>::rows_type;
+  using norm_type = typename LrkvCache<T, S>::norm_type;
+
+  PagedLrkvCache(const LrkvConfig& config, std::shared_ptr<PagePool> pool)
+      : config_(config), rows_(checked(config, std::move(pool))) {}
+
+  const LrkvConfig& config() const { return config_; }
+  const PagePool& pool() const { return rows_.pool(); }
+  Index tokens() const { return rows_.tokens(); }
+  Index capacity() const { return rows_.capacity(); }
+  Index page_tokens() const { return rows_.page_tokens(); }
+  const std::vector<Index>& block_table() const { return rows_.table(); }
+  Index elements_per_token() const { return config_.cache_elements_per_token(); }
+  std::size_t bytes() const { return rows_.bytes(); }
+  std::size_t capacity_bytes() const { return rows_.capacity_bytes(); }
+
+  void reserve(Index n) {
+    if (n < 0)
+      throw shape_error("PagedLrkvCache::reserve: n (" + std::to_string(n) + ") must be >= 0");
+    rows_.reserve(n);
+  }
+  void clear() noexcept { rows_.truncate(0); }
+  void truncate(Index n) {
+    detail::check_truncate("PagedLrkvCache", n, tokens());
+    rows_.truncate(n);
+  }
+
+  /// Appends n tokens of raw rows (as LrkvCache::append, key RMS finite and > 0).
+  void append(const rows_type& rows) {
+    detail::check_lrkv_rows("PagedLrkvCache::append", config_, rows, true);
+    append_unchecked(rows);
+  }
+
+  /// Whole stored rows of token t; contiguous to segment_end(t).
+  const S* key_row(Index t) const { return rows_.template row<S>(1, t); }
+  const S* value_row(Index t) const { return rows_.template row<S>(2, t); }
+  const norm_type* rms_row(Index t) const { return rows_.template row<norm_type>(0, t); }
+  Index segment_end(Index t) const { return (t / page_tokens() + 1) * page_tokens(); }
+
+ private:
+  friend class LrkvLayer<T>;
+
+  static detail::PagedRows checked(const LrkvConfig& config, std::shared_ptr<PagePool> pool) {
+    config.validate();
+    if (!pool) throw config_error("PagedLrkvCache: the page pool is null");
+    auto layout = detail::lrkv_page_layout<S>(config, pool->page_tokens());
+    const std::string want =
+        detail::page_layout_name<S>("LrkvCache", detail::describe(config), pool->page_tokens());
+    if (pool->layout() != want || pool->page_bytes() != layout.page_bytes) {
+      throw config_error("PagedLrkvCache: the pool holds pages of " + pool->layout() +
+                         ", this cache needs " + want + " (make it with make_lrkv_page_pool)");
+    }
+    return detail::PagedRows(std::move(pool), std::move(layout));
+  }
+
+  void append_unchecked(const rows_type& rows) {
+    const Index n = rows.shared_keys.rows();
+    rows_.prepare_append(n);
+    for (Index t = 0; t < n; ++t) {
+      append_token(rows.shared_keys.row(t), rows.residual_keys.row(t), rows.rope_keys.row(t),
+                   rows.shared_values.row(t), rows.residual_values.row(t), rows.key_rms.row(t));
+    }
+  }
+
+  void grow_for(Index needed) { rows_.prepare_append(needed - tokens()); }
+
+  // Writes and counts one token; prepare_append must have run.
+  template <class A, class B, class C, class D, class E, class F>
+  void append_token(const A& shared_key, const B& residual_key, const C& rope_key,
+                    const D& shared_value, const E& residual_value, const F& key_rms) noexcept {
+    const Index t = tokens();
+    const Index dh = config_.head_dim;
+    const Index hr = config_.residual_width();
+    S* k = rows_.template writable_row<S>(1, t);
+    for (Index j = 0; j < dh; ++j) k[j] = static_cast<S>(shared_key(j));
+    for (Index j = 0; j < hr; ++j) k[dh + j] = static_cast<S>(residual_key(j));
+    for (Index j = 0; j < config_.decoupled_dim(); ++j)
+      k[dh + hr + j] = static_cast<S>(rope_key(j));
+    S* v = rows_.template writable_row<S>(2, t);
+    for (Index j = 0; j < dh; ++j) v[j] = static_cast<S>(shared_value(j));
+    for (Index j = 0; j < hr; ++j) v[dh + j] = static_cast<S>(residual_value(j));
+    norm_type* n = rows_.template writable_row<norm_type>(0, t);
+    const Index norms = config_.key_norm ? config_.n_heads : 0;
+    for (Index j = 0; j < norms; ++j) n[j] = static_cast<norm_type>(key_rms(j));
+    rows_.commit(1);
+  }
+
+  LrkvConfig config_;
+  detail::PagedRows rows_;
+};
+
+static_assert(detail::check_kv_cache<PagedLrkvCache<float>>());
+
+}  // namespace kvattn
