@@ -22,6 +22,7 @@
 #include "kvattn/cache/lrkv_cache.hpp"
 #include "kvattn/cache/mla_cache.hpp"
 #include "kvattn/cache/page_pool.hpp"
+#include "kvattn/cache/paged_cache_base.hpp"
 #include "kvattn/cache/paged_gqa_cache.hpp"
 #include "kvattn/cache/paged_lrkv_cache.hpp"
 #include "kvattn/cache/paged_mla_cache.hpp"

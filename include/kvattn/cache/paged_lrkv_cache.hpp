@@ -10,6 +10,7 @@
 #include "kvattn/cache/kv_cache.hpp"
 #include "kvattn/cache/lrkv_cache.hpp"
 #include "kvattn/cache/page_pool.hpp"
+#include "kvattn/cache/paged_cache_base.hpp"
 #include "kvattn/cache/paged_gqa_cache.hpp"
 #include "kvattn/cache/paged_rows.hpp"
 #include "kvattn/config/lrkv_config.hpp"
@@ -51,7 +52,7 @@ std::shared_ptr<PagePool> make_lrkv_page_pool(const LrkvConfig& config, Index pa
 
 /// LrkvCache's rows in pool pages (see PagedGqaCache for the paging rules).
 template <class T, class S = T>
-class PagedLrkvCache {
+class PagedLrkvCache : public detail::PagedCacheBase<LrkvConfig> {
  public:
   using compute_type = T;
   using storage_type = S;
@@ -59,28 +60,12 @@ class PagedLrkvCache {
   using norm_type = typename LrkvCache<T, S>::norm_type;
 
   PagedLrkvCache(const LrkvConfig& config, std::shared_ptr<PagePool> pool)
-      : config_(config), rows_(checked(config, std::move(pool))) {}
-
-  const LrkvConfig& config() const { return config_; }
-  const PagePool& pool() const { return rows_.pool(); }
-  Index tokens() const { return rows_.tokens(); }
-  Index capacity() const { return rows_.capacity(); }
-  Index page_tokens() const { return rows_.page_tokens(); }
-  const std::vector<Index>& block_table() const { return rows_.table(); }
-  Index elements_per_token() const { return config_.cache_elements_per_token(); }
-  std::size_t bytes() const { return rows_.bytes(); }
-  std::size_t capacity_bytes() const { return rows_.capacity_bytes(); }
-
-  void reserve(Index n) {
-    if (n < 0)
-      throw shape_error("PagedLrkvCache::reserve: n (" + std::to_string(n) + ") must be >= 0");
-    rows_.reserve(n);
-  }
-  void clear() noexcept { rows_.truncate(0); }
-  void truncate(Index n) {
-    detail::check_truncate("PagedLrkvCache", n, tokens());
-    rows_.truncate(n);
-  }
+      : detail::PagedCacheBase<LrkvConfig>(
+            "PagedLrkvCache", config, pool,
+            detail::lrkv_page_layout<S>(config, pool ? pool->page_tokens() : 1),
+            detail::page_layout_name<S>("LrkvCache", detail::describe(config),
+                                        pool ? pool->page_tokens() : 1),
+            "make_lrkv_page_pool") {}
 
   /// Appends n tokens of raw rows (as LrkvCache::append, key RMS finite and > 0).
   void append(const rows_type& rows) {
@@ -92,23 +77,10 @@ class PagedLrkvCache {
   const S* key_row(Index t) const { return rows_.template row<S>(1, t); }
   const S* value_row(Index t) const { return rows_.template row<S>(2, t); }
   const norm_type* rms_row(Index t) const { return rows_.template row<norm_type>(0, t); }
-  Index segment_end(Index t) const { return (t / page_tokens() + 1) * page_tokens(); }
 
  private:
   friend class LrkvLayer<T>;
-
-  static detail::PagedRows checked(const LrkvConfig& config, std::shared_ptr<PagePool> pool) {
-    config.validate();
-    if (!pool) throw config_error("PagedLrkvCache: the page pool is null");
-    auto layout = detail::lrkv_page_layout<S>(config, pool->page_tokens());
-    const std::string want =
-        detail::page_layout_name<S>("LrkvCache", detail::describe(config), pool->page_tokens());
-    if (pool->layout() != want || pool->page_bytes() != layout.page_bytes) {
-      throw config_error("PagedLrkvCache: the pool holds pages of " + pool->layout() +
-                         ", this cache needs " + want + " (make it with make_lrkv_page_pool)");
-    }
-    return detail::PagedRows(std::move(pool), std::move(layout));
-  }
+  using detail::PagedCacheBase<LrkvConfig>::grow_for;
 
   void append_unchecked(const rows_type& rows) {
     const Index n = rows.shared_keys.rows();
@@ -118,8 +90,6 @@ class PagedLrkvCache {
                    rows.shared_values.row(t), rows.residual_values.row(t), rows.key_rms.row(t));
     }
   }
-
-  void grow_for(Index needed) { rows_.prepare_append(needed - tokens()); }
 
   // Writes and counts one token; prepare_append must have run.
   template <class A, class B, class C, class D, class E, class F>
@@ -141,9 +111,6 @@ class PagedLrkvCache {
     for (Index j = 0; j < norms; ++j) n[j] = static_cast<norm_type>(key_rms(j));
     rows_.commit(1);
   }
-
-  LrkvConfig config_;
-  detail::PagedRows rows_;
 };
 
 static_assert(detail::check_kv_cache<PagedLrkvCache<float>>());

@@ -8,6 +8,7 @@
 #include "kvattn/cache/kv_cache.hpp"
 #include "kvattn/cache/mla_cache.hpp"
 #include "kvattn/cache/page_pool.hpp"
+#include "kvattn/cache/paged_cache_base.hpp"
 #include "kvattn/cache/paged_gqa_cache.hpp"
 #include "kvattn/cache/paged_rows.hpp"
 #include "kvattn/config/mla_config.hpp"
@@ -40,35 +41,19 @@ std::shared_ptr<PagePool> make_mla_page_pool(const MlaConfig& config, Index page
 
 /// MlaCache's rows in pool pages (see PagedGqaCache for the paging rules).
 template <class T, class S = T>
-class PagedMlaCache {
+class PagedMlaCache : public detail::PagedCacheBase<MlaConfig> {
  public:
   using compute_type = T;
   using storage_type = S;
   using rows_type = typename MlaCache<T, S>::rows_type;
 
   PagedMlaCache(const MlaConfig& config, std::shared_ptr<PagePool> pool)
-      : config_(config), rows_(checked(config, std::move(pool))) {}
-
-  const MlaConfig& config() const { return config_; }
-  const PagePool& pool() const { return rows_.pool(); }
-  Index tokens() const { return rows_.tokens(); }
-  Index capacity() const { return rows_.capacity(); }
-  Index page_tokens() const { return rows_.page_tokens(); }
-  const std::vector<Index>& block_table() const { return rows_.table(); }
-  Index elements_per_token() const { return config_.cache_elements_per_token(); }
-  std::size_t bytes() const { return rows_.bytes(); }
-  std::size_t capacity_bytes() const { return rows_.capacity_bytes(); }
-
-  void reserve(Index n) {
-    if (n < 0)
-      throw shape_error("PagedMlaCache::reserve: n (" + std::to_string(n) + ") must be >= 0");
-    rows_.reserve(n);
-  }
-  void clear() noexcept { rows_.truncate(0); }
-  void truncate(Index n) {
-    detail::check_truncate("PagedMlaCache", n, tokens());
-    rows_.truncate(n);
-  }
+      : detail::PagedCacheBase<MlaConfig>(
+            "PagedMlaCache", config, pool,
+            detail::mla_page_layout<S>(config, pool ? pool->page_tokens() : 1),
+            detail::page_layout_name<S>("MlaCache", detail::describe(config),
+                                        pool ? pool->page_tokens() : 1),
+            "make_mla_page_pool") {}
 
   void append(const rows_type& rows) { append(rows.latent, rows.rope_keys); }
 
@@ -83,25 +68,10 @@ class PagedMlaCache {
 
   /// Pointer to cached row t, [c_t | k_R,t]; rows are contiguous to segment_end(t).
   const S* row_data(Index t) const { return rows_.template row<S>(0, t); }
-  Index segment_end(Index t) const { return (t / page_tokens() + 1) * page_tokens(); }
 
  private:
   friend class MlaLayer<T>;
-
-  static detail::PagedRows checked(const MlaConfig& config, std::shared_ptr<PagePool> pool) {
-    config.validate();
-    if (!pool) throw config_error("PagedMlaCache: the page pool is null");
-    auto layout = detail::mla_page_layout<S>(config, pool->page_tokens());
-    const std::string want =
-        detail::page_layout_name<S>("MlaCache", detail::describe(config), pool->page_tokens());
-    if (pool->layout() != want || pool->page_bytes() != layout.page_bytes) {
-      throw config_error("PagedMlaCache: the pool holds pages of " + pool->layout() +
-                         ", this cache needs " + want + " (make it with make_mla_page_pool)");
-    }
-    return detail::PagedRows(std::move(pool), std::move(layout));
-  }
-
-  void grow_for(Index needed) { rows_.prepare_append(needed - tokens()); }
+  using detail::PagedCacheBase<MlaConfig>::grow_for;
 
   // Writes and counts one token; prepare_append must have run.
   template <class LatentRow, class RopeRow>
@@ -112,9 +82,6 @@ class PagedMlaCache {
       dst[config_.kv_rank + j] = static_cast<S>(rope_key(j));
     rows_.commit(1);
   }
-
-  MlaConfig config_;
-  detail::PagedRows rows_;
 };
 
 static_assert(detail::check_kv_cache<PagedMlaCache<float>>());

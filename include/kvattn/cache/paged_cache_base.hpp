@@ -1,0 +1,93 @@
+// What the three paged caches (paged_{gqa,mla,lrkv}_cache.hpp) share: the config, the
+// block table, and every member of the KV-cache concept but append.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvattn/analysis/dtype.hpp"
+#include "kvattn/cache/page_pool.hpp"
+#include "kvattn/cache/paged_rows.hpp"
+#include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/core/errors.hpp"
+#include "kvattn/core/index.hpp"
+
+namespace kvattn::detail {
+
+/// The name of a page layout: the cache type, its config, its storage type and the page
+/// size ("GqaCache {d_model 64, ...} bf16, 16 tokens per page"). A pool is made for one.
+template <class S>
+std::string page_layout_name(const std::string& cache, const std::string& config,
+                             Index page_tokens) {
+  return cache + " " + config + " " + std::string(analysis::to_string(analysis::dtype_of<S>())) +
+         ", " + std::to_string(page_tokens) + " tokens per page";
+}
+
+/// The members every paged cache has. `Config` is the mechanism's config type.
+template <class Config>
+class PagedCacheBase {
+ public:
+  const Config& config() const { return config_; }
+  const PagePool& pool() const { return rows_.pool(); }
+  Index tokens() const { return rows_.tokens(); }
+  /// Tokens the held pages fit.
+  Index capacity() const { return rows_.capacity(); }
+  Index page_tokens() const { return rows_.page_tokens(); }
+  /// The pages holding the sequence, in order (pool page indices).
+  const std::vector<Index>& block_table() const { return rows_.table(); }
+  Index elements_per_token() const { return config_.cache_elements_per_token(); }
+  /// Bytes of the cached tokens (as a contiguous cache of them holds).
+  std::size_t bytes() const { return rows_.bytes(); }
+  /// Bytes of the pages held (a page shared with a fork counted in full by each).
+  std::size_t capacity_bytes() const { return rows_.capacity_bytes(); }
+
+  /// Pages for `n` tokens in all. Strong exception guarantee (pool_exhausted).
+  void reserve(Index n) {
+    if (n < 0)
+      throw shape_error(std::string(name_) + "::reserve: n (" + std::to_string(n) +
+                        ") must be >= 0");
+    rows_.reserve(n);
+  }
+  /// Drops every token and returns every page.
+  void clear() noexcept { rows_.truncate(0); }
+  /// Rolls back to the first n tokens (speculative decoding), returning the pages past
+  /// them to the pool.
+  void truncate(Index n) {
+    check_truncate(name_, n, tokens());
+    rows_.truncate(n);
+  }
+  /// The first token past the page that holds token t: rows are contiguous up to it.
+  Index segment_end(Index t) const { return (t / page_tokens() + 1) * page_tokens(); }
+
+ protected:
+  // Checks that `pool` holds pages of this cache's layout (`layout_name`, made by
+  // `factory`), then takes it.
+  PagedCacheBase(const char* name, const Config& config, std::shared_ptr<PagePool> pool,
+                 PageLayout layout, const std::string& layout_name, const char* factory)
+      : config_(config),
+        rows_(checked(name, std::move(pool), std::move(layout), layout_name, factory)),
+        name_(name) {}
+
+  // Pages for `needed` tokens, and private copies of shared pages written into.
+  void grow_for(Index needed) { rows_.prepare_append(needed - tokens()); }
+
+  Config config_;
+  PagedRows rows_;
+
+ private:
+  static PagedRows checked(const char* name, std::shared_ptr<PagePool> pool, PageLayout layout,
+                           const std::string& layout_name, const char* factory) {
+    if (!pool) throw config_error(std::string(name) + ": the page pool is null");
+    if (pool->layout() != layout_name || pool->page_bytes() != layout.page_bytes) {
+      throw config_error(std::string(name) + ": the pool holds pages of " + pool->layout() +
+                         ", this cache needs " + layout_name + " (make it with " + factory + ")");
+    }
+    return PagedRows(std::move(pool), std::move(layout));
+  }
+
+  const char* name_;
+};
+
+}  // namespace kvattn::detail
