@@ -281,18 +281,30 @@ TEST_CASE("hf_config finding 11: parsing is linear; keys it does not read are ne
   for (int i = 0; i < 200'000; ++i)
     text += "\"key" + std::to_string(i) + "\": " + std::to_string(i) + ", ";
   text += kMinimal + "}";
-  const nlohmann::json kept = an::detail::hf_parse_document(text, "cfg", an::HfReadOptions{});
-  CHECK(kept.size() == 3);
-  CHECK(kept.at("num_hidden_layers") == 32);
+  const an::detail::HfDocument kept =
+      an::detail::hf_parse_document(text, "cfg", an::HfReadOptions{});
+  CHECK(kept.root.size() == 3);
+  CHECK(kept.root.at("num_hidden_layers") == 32);
   CHECK(an::parse_hf_config(text).n_heads() == 32);
   // Containers under unread keys are dropped whole; under read keys only what is read
-  // stays: not text_config's unread members, not the members of layer_types' entries.
-  const nlohmann::json doc = an::detail::hf_parse_document(
+  // stays: not text_config's unread members, not the arrays' entries. layer_types'
+  // entries are counted, not stored: 3 entries, 1 sliding, 2 not strings.
+  const an::detail::HfDocument doc = an::detail::hf_parse_document(
       R"({"id2label": {"0": "a", "1": "b"}, "text_config": {"vision": {"x": 1}, "head_dim": 8},
-          "layer_types": [{"a": 1}, "full_attention"]})",
+          "num_attention_heads": [1, 2, 3],
+          "layer_types": [{"a": 1}, "sliding_attention", 7]})",
       "cfg", an::HfReadOptions{});
-  CHECK(doc == nlohmann::json::parse(R"({"text_config": {"head_dim": 8},
-                                         "layer_types": [{}, "full_attention"]})"));
+  CHECK(doc.root == nlohmann::json::parse(R"({"text_config": {"head_dim": 8},
+                                              "num_attention_heads": [], "layer_types": []})"));
+  REQUIRE(doc.layer_types.count("") == 1);
+  CHECK(doc.layer_types.at("").entries == 3);
+  CHECK(doc.layer_types.at("").sliding == 1);
+  CHECK(doc.layer_types.at("").not_strings == 2);
+  // And the fields read keep their errors: an array where a count belongs is named.
+  check_text_error(R"({"hidden_size": 64, "num_attention_heads": [1, 2], "num_hidden_layers": 1})",
+                   "\"num_attention_heads\" must be an integer, got an array");
+  check_text_error("{" + kMinimal + R"(, "layer_types": [1], "num_hidden_layers": 1})",
+                   "\"layer_types\" entries must be strings");
 }
 
 TEST_CASE("hf_config finding 12: a size cap, and devices, directories and FIFOs refused first",

@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <fstream>
 #include <istream>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -186,13 +187,28 @@ inline std::string hf_json_type(const hf_json& value) {
 
 // ---- Parsing: a SAX handler that keeps only the fields read ----------------------
 
-/// Builds the document from nlohmann's SAX events, keeping only what interpret() reads:
-/// the known keys of the top-level object, of "text_config" and of "rope_scaling", and
-/// the entries of "layer_types". Every other value is parsed (so syntax is checked) and
-/// dropped, so each key costs O(1) whatever the file holds (nlohmann::ordered_json
-/// inserts by linear search: 100k keys took 14 s), and the tree never grows deeper than
-/// max_depth (a 300,000-deep value overflowed the stack when copied). It also tracks
-/// where it is, so an error can name the field.
+/// What a "layer_types" array holds, counted while parsing: its entries are not stored,
+/// so a 16 MiB array costs no memory.
+struct HfLayerTypes {
+  Index entries = 0;      // the array's length
+  Index sliding = 0;      // entries equal to "sliding_attention"
+  Index not_strings = 0;  // entries that are not strings
+};
+
+/// The fields hf_interpret() reads, as parsed.
+struct HfDocument {
+  hf_json root;  // the kept members; a "layer_types" array is kept empty, counted below
+  std::map<std::string, HfLayerTypes> layer_types;  // by prefix: "" or "text_config."
+};
+
+/// Builds the document from nlohmann's SAX events, keeping only what hf_interpret()
+/// reads: the known keys of the top-level object, of "text_config" and of
+/// "rope_scaling", and the counts of "layer_types". Every other value is parsed (so
+/// syntax is checked) and dropped, so each key costs O(1) whatever the file holds
+/// (nlohmann::ordered_json inserts by linear search: 100k keys took 14 s), memory stays
+/// near the size of the fields read, and the tree never grows deeper than max_depth (a
+/// 300,000-deep value overflowed the stack when copied). It also tracks where it is, so
+/// an error can name the field.
 class HfSax {
  public:
   explicit HfSax(int max_depth) : max_depth_(max_depth) {}
@@ -221,8 +237,8 @@ class HfSax {
   bool parse_error(std::size_t /*position*/, const std::string& last_token,
                    const hf_json::exception& error) {
     error_id_ = error.id;
-    error_message_ = error.what();
-    error_token_ = last_token;
+    error_message_ = hf_shorten(error.what(), 400);  // a token can be 16 MiB long
+    error_token_ = hf_shorten(last_token);
     return false;
   }
 
@@ -230,7 +246,7 @@ class HfSax {
   int error_id() const { return error_id_; }
   const std::string& error_message() const { return error_message_; }
   const std::string& error_token() const { return error_token_; }
-  hf_json take_root() { return std::move(root_); }
+  HfDocument take_document() { return {std::move(root_), std::move(layer_types_)}; }
 
   /// Where parsing is: "\"rope_scaling.factor\"", "\"layer_types\"[3]", or "the top level".
   std::string field() const {
@@ -249,42 +265,27 @@ class HfSax {
 
  private:
   struct Level {
-    hf_json* node = nullptr;  // where members / entries go; null: dropped
+    hf_json* node = nullptr;  // where members go (kept objects); null: dropped
     bool array = false;
-    std::string key;           // the current member's key (objects)
-    Index index = -1;          // the current entry's index (arrays)
-    bool keep_member = false;  // whether the current member is kept
+    std::string key;                 // the current member's key (objects)
+    Index index = -1;                // the current entry's index (arrays)
+    bool keep_member = false;        // whether the current member is kept
+    HfLayerTypes* counts = nullptr;  // a layer_types array: where its entries are counted
   };
 
   static bool among(std::string_view key, const std::string_view* first, std::size_t count) {
     return std::find(first, first + count, key) != first + count;
   }
 
-  // The keys interpret() reads; everything else is dropped while parsing.
-  static constexpr std::array<std::string_view, 24> kModelKeys = {"num_attention_heads",
-                                                                  "num_hidden_layers",
-                                                                  "hidden_size",
-                                                                  "num_key_value_heads",
-                                                                  "head_dim",
-                                                                  "kv_lora_rank",
-                                                                  "q_lora_rank",
-                                                                  "qk_rope_head_dim",
-                                                                  "qk_nope_head_dim",
-                                                                  "v_head_dim",
-                                                                  "sliding_window",
-                                                                  "use_sliding_window",
-                                                                  "layer_types",
-                                                                  "max_window_layers",
-                                                                  "sliding_window_pattern",
-                                                                  "rope_theta",
-                                                                  "rope_scaling",
-                                                                  "rms_norm_eps",
-                                                                  "attention_bias",
-                                                                  "model_type",
-                                                                  "torch_dtype",
-                                                                  "dtype",
-                                                                  "_name_or_path",
-                                                                  "text_config"};
+  // The keys hf_interpret() reads; everything else is dropped while parsing.
+  // clang-format off
+  static constexpr std::array<std::string_view, 24> kModelKeys = {
+      "num_attention_heads", "num_hidden_layers", "hidden_size", "num_key_value_heads",
+      "head_dim", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+      "v_head_dim", "sliding_window", "use_sliding_window", "layer_types", "max_window_layers",
+      "sliding_window_pattern", "rope_theta", "rope_scaling", "rms_norm_eps", "attention_bias",
+      "model_type", "torch_dtype", "dtype", "_name_or_path", "text_config"};
+  // clang-format on
   static constexpr std::array<std::string_view, 8> kRopeKeys = {
       "type",      "rope_type", "factor", "original_max_position_embeddings",
       "beta_fast", "beta_slow", "mscale", "mscale_all_dim"};
@@ -302,14 +303,28 @@ class HfSax {
     return false;
   }
 
-  /// Whether a container stored under the current key keeps its contents: the
-  /// objects text_config and rope_scaling, and the array layer_types.
-  bool descend(bool array) const {
+  /// Whether the level at the top holds the model's fields: the file, or its text_config.
+  bool model_level() const {
     const std::size_t depth = levels_.size();
+    return depth == 1 || (depth == 2 && levels_[0].key == "text_config");
+  }
+
+  /// Whether an object stored under the current key keeps its members: text_config and
+  /// rope_scaling.
+  bool keeps_members() const {
     const std::string_view key = levels_.back().key;
-    const bool model_level = depth == 1 || (depth == 2 && levels_[0].key == "text_config");
-    if (array) return model_level && key == "layer_types";
-    return (depth == 1 && key == "text_config") || (model_level && key == "rope_scaling");
+    return (levels_.size() == 1 && key == "text_config") ||
+           (model_level() && key == "rope_scaling");
+  }
+
+  /// Counts one entry of a layer_types array (null: a container).
+  static void count(HfLayerTypes& counts, const hf_json* value) {
+    ++counts.entries;
+    if (value == nullptr || !value->is_string()) {
+      ++counts.not_strings;
+    } else if (value->get_ref<const std::string&>() == "sliding_attention") {
+      ++counts.sliding;
+    }
   }
 
   /// Stores a value at the current position; returns where it went (null: dropped).
@@ -332,6 +347,7 @@ class HfSax {
   }
 
   bool put(hf_json value) {
+    if (!levels_.empty() && levels_.back().counts != nullptr) count(*levels_.back().counts, &value);
     store(std::move(value));
     return true;
   }
@@ -342,11 +358,23 @@ class HfSax {
       too_deep_ = true;
       return false;  // stops the parser before it builds anything deeper
     }
-    // The top-level object is kept; a nested container keeps its contents only where
-    // interpret() reads them (an array at the top only needs its type).
-    const bool keep = levels_.empty() ? !array : descend(array);
+    if (!levels_.empty() && levels_.back().counts != nullptr) {
+      count(*levels_.back().counts, nullptr);  // a container in layer_types: not a string
+    }
+    // The top-level object is kept; a nested object keeps its members only where
+    // hf_interpret() reads them; arrays are kept empty (only their type is read), and
+    // layer_types has its entries counted.
+    const bool keep = !array && (levels_.empty() || keeps_members());
+    const bool counted =
+        array && !levels_.empty() && model_level() && levels_.back().key == "layer_types";
+    const std::string prefix = levels_.size() == 2 ? "text_config." : "";
     hf_json* node = store(array ? hf_json::array() : hf_json::object());
-    levels_.push_back({keep ? node : nullptr, array, {}, -1, false});
+    HfLayerTypes* counts = nullptr;
+    if (counted && node != nullptr) {
+      counts = &layer_types_[prefix];
+      *counts = {};  // a repeated key: the last one counts, as its value is the one kept
+    }
+    levels_.push_back({keep ? node : nullptr, array, {}, -1, false, counts});
     return true;
   }
 
@@ -358,6 +386,7 @@ class HfSax {
   Index max_depth_;
   std::vector<Level> levels_;
   hf_json root_;
+  std::map<std::string, HfLayerTypes> layer_types_;
   bool too_deep_ = false;
   int error_id_ = 0;
   std::string error_message_;
@@ -374,8 +403,8 @@ inline std::string hf_strip_id(const std::string& message) {
 }
 
 /// Parses `text` into the kept document; hf_config_error on anything but a JSON value.
-inline hf_json hf_parse_document(std::string_view text, const std::string& where,
-                                 const HfReadOptions& options) {
+inline HfDocument hf_parse_document(std::string_view text, const std::string& where,
+                                    const HfReadOptions& options) {
   if (text.size() > options.max_bytes) {
     hf_fail(where + " is larger than the " + hf_limit_text(options.max_bytes) +
             " limit; a Hugging Face config.json is a few KB");
@@ -386,7 +415,7 @@ inline hf_json hf_parse_document(std::string_view text, const std::string& where
   HfSax sax(options.max_depth);
   const bool ok = hf_json::sax_parse(text.data(), text.data() + text.size(), &sax,
                                      nlohmann::detail::input_format_t::json, true, false);
-  if (ok) return sax.take_root();
+  if (ok) return sax.take_document();
   if (sax.too_deep()) {
     hf_fail(where + " nests deeper than " + std::to_string(options.max_depth) + " levels at " +
             sax.field() + "; a Hugging Face config.json nests a few levels");
@@ -405,8 +434,9 @@ inline hf_json hf_parse_document(std::string_view text, const std::string& where
 /// in its error.
 class HfFields {
  public:
-  HfFields(const hf_json& object, const std::string& where, std::string prefix)
-      : j_(object), where_(where), prefix_(std::move(prefix)) {}
+  HfFields(const hf_json& object, const HfDocument& document, const std::string& where,
+           std::string prefix)
+      : j_(object), document_(document), where_(where), prefix_(std::move(prefix)) {}
 
   bool has(const char* key) const { return j_.contains(key) && !j_.at(key).is_null(); }
   const hf_json& at(const char* key) const { return j_.at(key); }
@@ -479,11 +509,18 @@ class HfFields {
       hf_fail(where_ + ": \"" + name(key) + "\" must be an object {...}, got " +
               hf_json_type(j_.at(key)));
     }
-    return HfFields(j_.at(key), where_, name(key) + ".");
+    return HfFields(j_.at(key), document_, where_, name(key) + ".");
+  }
+
+  /// The counted entries of this object's "layer_types" array.
+  HfLayerTypes layer_types() const {
+    const auto it = document_.layer_types.find(prefix_);
+    return it == document_.layer_types.end() ? HfLayerTypes{} : it->second;
   }
 
  private:
   const hf_json& j_;
+  const HfDocument& document_;
   const std::string& where_;
   std::string prefix_;
 };
@@ -548,17 +585,15 @@ inline void hf_read_windows(const HfFields& j, const HfFields& root, const std::
   const auto window = j.count("sliding_window", false);
   const auto use_window = j.boolean("use_sliding_window");
   if (j.has("layer_types")) {
-    const hf_json& types = j.at("layer_types");
-    if (!types.is_array() || static_cast<Index>(types.size()) != layers) {
+    const HfLayerTypes types = j.layer_types();  // counted while parsing
+    if (!j.at("layer_types").is_array() || types.entries != layers) {
       hf_fail(where + ": \"" + j.name("layer_types") +
               "\" must be an array of num_hidden_layers (" + std::to_string(layers) + ") strings");
     }
-    Index sliding = 0;
-    for (const hf_json& t : types) {
-      if (!t.is_string())
-        hf_fail(where + ": \"" + j.name("layer_types") + "\" entries must be strings");
-      if (t.get_ref<const std::string&>() == "sliding_attention") ++sliding;
+    if (types.not_strings > 0) {
+      hf_fail(where + ": \"" + j.name("layer_types") + "\" entries must be strings");
     }
+    const Index sliding = types.sliding;
     if (sliding > 0) {
       if (!window) hf_fail(where + ": layer_types has sliding_attention but no \"sliding_window\"");
       m.stack.window = *window;
@@ -631,16 +666,18 @@ inline void hf_read_dtype(const HfFields& root, const HfFields& j, const std::st
 }
 
 /// The document as a model. `where` names the input, `file` is used in the name.
-inline HfModel hf_interpret(const hf_json& root, const std::string& where,
+inline HfModel hf_interpret(const HfDocument& document, const std::string& where,
                             const std::string& file) {
+  const hf_json& root = document.root;
   if (!root.is_object()) {
     hf_fail(where + " must hold a JSON object {...}, got " + hf_json_type(root));
   }
-  const HfFields top(root, where, "");
+  const HfFields top(root, document, where, "");
   // Multimodal configs (Gemma 3, LLaVA, ...) keep the language model in text_config.
   const bool nested = !root.contains("num_attention_heads") && root.contains("text_config") &&
                       root.at("text_config").is_object();
-  const HfFields j = nested ? HfFields(root.at("text_config"), where, "text_config.") : top;
+  const HfFields j =
+      nested ? HfFields(root.at("text_config"), document, where, "text_config.") : top;
 
   HfModel m;
   m.name = file;
@@ -702,9 +739,9 @@ inline std::string hf_read_stream(std::istream& in, const std::string& where,
 inline HfModel hf_parse(std::string_view text, const HfReadOptions& options) {
   const std::string where = options.label.empty() ? "config.json" : options.label;
   const std::string file = options.file_name.empty() ? "config.json" : options.file_name;
-  const hf_json root = hf_parse_document(text, where, options);
+  const HfDocument document = hf_parse_document(text, where, options);
   try {
-    return hf_interpret(root, where, file);
+    return hf_interpret(document, where, file);
   } catch (const hf_json::exception& e) {
     // Every read above is type-checked; this keeps the promise of one line naming the
     // input should one be missed.
