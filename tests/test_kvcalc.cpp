@@ -617,8 +617,10 @@ TEST_CASE("kvcalc finding 13: --heads x --head-dim is not evaluated beside a giv
           "[kvcalc][reliability]") {
   // resolve() computed the default d = H * d_h even when the shape had d (every preset,
   // config and the default shape do): 2^32 * 2^32 overflowed a signed 64-bit integer,
-  // undefined behaviour (UBSan: "signed integer overflow"), not observable without a
-  // sanitizer. Here: the shape itself is refused by the configs' own overflow check.
+  // undefined behaviour (UBSan: "signed integer overflow"). Not observable without a
+  // sanitizer: the fuzz target's regression input regression-13-d-model-given
+  // (tests/fuzz/kvcalc_args/) fails under UBSan before the fix, in scripts/fuzz-ci.sh.
+  // Here: the shape itself is refused by the configs' own overflow check.
   check_bad({"--heads", "4294967296", "--head-dim", "4294967296"},
             "impossible configuration: GqaConfig: query width n_heads x head_dim (4294967296 x "
             "4294967296) does not fit");

@@ -714,7 +714,7 @@ inline std::string hf_read_stream(std::istream& in, const std::string& where,
   std::streambuf* buffer = in.rdbuf();
   if (buffer == nullptr) hf_fail(where + " cannot be read: the stream has no buffer");
   std::string text;
-  std::array<char, 1 << 16> chunk{};
+  std::string chunk(std::size_t{1} << 16, '\0');  // on the heap: a 64 KiB frame is too big
   for (;;) {
     std::streamsize got = 0;
     errno = 0;
