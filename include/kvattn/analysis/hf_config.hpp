@@ -13,7 +13,7 @@
 // at most HfReadOptions::max_bytes (16 MiB) are read, files must be regular files
 // (checked before opening, so a FIFO or /dev/zero is refused at once), nesting deeper
 // than max_depth (64) levels is refused while parsing, and only the fields read below
-// are kept, so parse time is linear in the input and memory stays near its size.
+// are kept, so parse time is linear in the input and memory a small multiple of it.
 #pragma once
 
 #include <algorithm>
@@ -248,7 +248,7 @@ class HfSax {
   const std::string& error_token() const { return error_token_; }
   HfDocument take_document() { return {std::move(root_), std::move(layer_types_)}; }
 
-  /// Where parsing is: "\"rope_scaling.factor\"", "\"layer_types\"[3]", or "the top level".
+  /// Where parsing is: "\"rope_scaling.factor\"", "\"layer_types[3]\"", or "the top level".
   std::string field() const {
     std::string path;
     for (const Level& level : levels_) {
