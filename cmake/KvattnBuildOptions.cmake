@@ -3,7 +3,8 @@
 # consumers choose their own warnings, architecture and sanitizers.
 #
 #   kvattn_warnings   -Wall -Wextra -Wpedantic -Werror (GCC/Clang), /W4 /WX (MSVC)
-#   kvattn_options    -march=native (KVATTN_NATIVE), ASan + UBSan (KVATTN_SANITIZE)
+#   kvattn_options    -march=native (KVATTN_NATIVE), ASan + UBSan (KVATTN_SANITIZE),
+#                     libFuzzer coverage + ASan + UBSan (KVATTN_FUZZ)
 #
 # kvattn_project_target(<target>) links both into a target.
 include_guard(GLOBAL)
@@ -36,6 +37,19 @@ if(KVATTN_SANITIZE)
                              -fno-omit-frame-pointer)
   target_compile_options(kvattn_options INTERFACE ${_kvattn_sanitize_flags})
   target_link_options(kvattn_options INTERFACE ${_kvattn_sanitize_flags})
+endif()
+
+if(KVATTN_FUZZ)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "KVATTN_FUZZ needs Clang (libFuzzer), not ${CMAKE_CXX_COMPILER_ID}: "
+                        "cmake --preset fuzz uses clang++-14 (Debian: clang-14 libclang-rt-14-dev)")
+  endif()
+  # Every kvattn target gets libFuzzer's coverage instrumentation and the sanitizers;
+  # only the fuzz targets link libFuzzer's main (tests/fuzz/CMakeLists.txt).
+  set(_kvattn_fuzz_flags -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all
+                         -fno-omit-frame-pointer)
+  target_compile_options(kvattn_options INTERFACE ${_kvattn_fuzz_flags})
+  target_link_options(kvattn_options INTERFACE -fsanitize=address,undefined)
 endif()
 
 # GCC 12 reports false -Wmaybe-uninitialized positives from inside Eigen's and

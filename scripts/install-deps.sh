@@ -15,7 +15,10 @@ packages=(
   libeigen3-dev        # Eigen 3.4, the library's one dependency
   catch2               # Catch2 2.13, the tests
   libbenchmark-dev     # Google Benchmark 1.7, the benchmarks
-  nlohmann-json3-dev   # JSON, for the tools and benchmark reports
+  nlohmann-json3-dev   # JSON: kvattn::hf_config, kvcalc, the tests, benchmark reports
+  clang-14             # the fuzz preset's compiler (scripts/fuzz.sh, scripts/fuzz-ci.sh)
+  libclang-rt-14-dev   # libFuzzer and the sanitizer runtimes: only a Recommends of
+                       # clang-14, which --no-install-recommends would skip
   python3              # scripts/bench_report.py, the benchmark report
   python3-matplotlib   # its plots (docs/bench/*.svg)
 )

@@ -28,4 +28,6 @@ endforeach()
 if(_kvattn_header_sources AND NOT KVATTN_SANITIZE)
   add_library(kvattn_header_check OBJECT ${_kvattn_header_sources})
   kvattn_project_target(kvattn_header_check)
+  # analysis/hf_config.hpp includes nlohmann/json.hpp (target kvattn::hf_config).
+  target_link_libraries(kvattn_header_check PRIVATE kvattn::hf_config)
 endif()
