@@ -752,3 +752,42 @@ TEST_CASE("kvcalc --svg: every label's estimated extent lies inside the view box
   REQUIRE(kvcalc({"--hf-config", config, "--svg", svg.string()}).status == 0);
   check_labels_inside(read_file(svg));
 }
+
+TEST_CASE("kvcalc --bandwidth / --flops: a decode step per token at the roofline",
+          "[kvcalc][analysis]") {
+  // MHA, H 4, d_h 8, 2 layers, fp32, L = 1000: a layer's step reads 1000 x 2 x 4 x 8 x 4 =
+  // 256,000 bytes and does 4 x 4 x 1000 x 8 = 128,000 FLOPs. At 1 GB/s: 256 us a layer,
+  // 512 us a token.
+  const std::vector<std::string> shape = {
+      "--heads", "4",       "--head-dim", "8",           "--layers", "2",          "--seq-len",
+      "1000",    "--dtype", "fp32",       "--mechanism", "MHA",      "--kv-heads", "2"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = shape;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_json(args);
+  };
+  const json memory = with({"--bandwidth", "1"});
+  const json& decode = memory["mechanisms"][0]["decode"];
+  CHECK(decode["seconds_per_token"].get<double>() == Approx(512e-6).epsilon(1e-12));
+  CHECK(decode["bound"] == "memory");
+  CHECK(decode["bytes_per_token"].get<double>() == 512000.0);
+  CHECK(decode["flops_per_token"].get<double>() == 256000.0);
+  CHECK(memory["machine"]["bandwidth_gb_per_s"].get<double>() == 1.0);
+  CHECK(memory["machine"]["gflop_per_s"].is_null());
+  // At 0.0001 GFLOP/s (100,000 FLOP/s) a layer's 128,000 FLOPs take 1.28 s: compute-bound.
+  const json compute = with({"--bandwidth", "1", "--flops", "0.0001"});
+  CHECK(compute["mechanisms"][0]["decode"]["seconds_per_token"].get<double>() ==
+        Approx(2.56).epsilon(1e-12));
+  CHECK(compute["mechanisms"][0]["decode"]["bound"] == "compute");
+  // A window of 100 tokens on both layers: a tenth of the bytes.
+  const json window = with({"--bandwidth", "1", "--window", "100"});
+  CHECK(window["mechanisms"][0]["decode"]["seconds_per_token"].get<double>() ==
+        Approx(51.2e-6).epsilon(1e-12));
+  // Without --bandwidth there is no prediction; the table shows the column with it.
+  CHECK_FALSE(run_json({"--preset", "deepseek-v2"})["mechanisms"][0].contains("decode"));
+  CHECK(kvcalc({"--preset", "deepseek-v2", "--bandwidth", "20"}).out.find("decode/token") !=
+        std::string::npos);
+  check_bad({"--bandwidth", "0"}, "--bandwidth");
+  check_bad({"--bandwidth", "fast"}, "--bandwidth");
+  check_bad({"--flops", "100"}, "--flops needs --bandwidth");
+}

@@ -43,6 +43,31 @@ Index parse_count(const std::string& flag, const std::string& text, Index min_va
   return result;
 }
 
+/// A rate > 0 (a plain decimal number, e.g. 20 or 12.5); names the flag on error.
+double parse_rate(const std::string& flag, const std::string& text, const char* unit) {
+  const std::string example = flag + (std::string(unit) == "GB/s" ? " 20" : " 500");
+  bool digits = false, dot = false, ok = !text.empty();
+  for (const char ch : text) {
+    if (std::isdigit(static_cast<unsigned char>(ch))) {
+      digits = true;
+    } else if (ch == '.' && !dot) {
+      dot = true;
+    } else {
+      ok = false;
+    }
+  }
+  if (!ok || !digits) {
+    fail(flag + " must be a positive number of " + unit + ", got '" + text + "' (e.g. " + example +
+         ")");
+  }
+  const double value = std::strtod(text.c_str(), nullptr);
+  if (!(value > 0.0) || !std::isfinite(value) || value > 1e12) {
+    fail(flag + " must be > 0 and at most 1e12 " + unit + ", got '" + text + "' (e.g. " + example +
+         ")");
+  }
+  return value;
+}
+
 an::Dtype parse_dtype_flag(const std::string& flag, const std::string& text) {
   if (const auto d = an::parse_dtype(text)) return *d;
   fail(flag + " '" + text +
@@ -122,11 +147,12 @@ using Args = std::vector<std::pair<std::string, std::optional<std::string>>>;
 /// Splits the arguments into (flag, value) pairs; every flag known, none twice.
 Args split_flags(const std::vector<std::string>& argv) {
   static const std::vector<std::string> valued = {
-      "--heads",   "--head-dim",      "--layers",      "--d-model",    "--kv-heads",
-      "--kv-rank", "--q-rank",        "--rope-dim",    "--v-dim",      "--lrkv-rank",
-      "--dtype",   "--seq-len",       "--batch",       "--tp",         "--mechanism",
-      "--preset",  "--hf-config",     "--budget",      "--svg",        "--page-size",
-      "--window",  "--window-layers", "--scale-block", "--rope-dtype", "--rank-step"};
+      "--heads",     "--head-dim",      "--layers",      "--d-model",    "--kv-heads",
+      "--kv-rank",   "--q-rank",        "--rope-dim",    "--v-dim",      "--lrkv-rank",
+      "--dtype",     "--seq-len",       "--batch",       "--tp",         "--mechanism",
+      "--preset",    "--hf-config",     "--budget",      "--svg",        "--page-size",
+      "--window",    "--window-layers", "--scale-block", "--rope-dtype", "--rank-step",
+      "--bandwidth", "--flops"};
   static const std::vector<std::string> switches = {"--json", "--list-presets", "--help", "-h"};
   Args args;
   for (std::size_t i = 0; i < argv.size(); ++i) {
@@ -186,6 +212,8 @@ void apply(const std::string& flag, const std::string& v, Options& o) {
   if (flag == "--scale-block") o.scale_block = parse_count(flag, v, 1);
   if (flag == "--rank-step") o.rank_step = parse_count(flag, v, 1);
   if (flag == "--json") o.json = true;
+  if (flag == "--bandwidth") o.bandwidth_gbs = parse_rate(flag, v, "GB/s");
+  if (flag == "--flops") o.gflops = parse_rate(flag, v, "GFLOP/s");
   if (flag == "--svg") {
     if (v.empty()) fail("--svg needs a file name, e.g. --svg cache.svg");
     o.svg_path = v;
@@ -226,6 +254,10 @@ Serving:
   --window N         sliding window W: such layers keep at most W tokens
   --window-layers N  how many layers use the window          (all, with --window)
   --tp N             tensor-parallel degree; totals are per device and summed
+  --bandwidth GB/S   predict a decode step per token (one sequence, every layer's
+                     attention over the tokens it keeps) at this read bandwidth ...
+  --flops GFLOP/S    ... and this arithmetic rate: max(bytes / bandwidth, FLOPs /
+                     rate) per layer (without --flops, bytes / bandwidth)
 Input and output:
   --preset NAME      a known model (--list-presets)
   --hf-config FILE   a Hugging Face config.json (Llama/Mistral/Qwen/Gemma, DeepSeek-V2/V3)

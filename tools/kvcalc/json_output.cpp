@@ -26,6 +26,10 @@ json to_json(const Options& o, const Resolved& r, const std::vector<Row>& rows,
   j["window"] = r.stack.window;
   j["window_layers"] = r.stack.window_layers;
   j["tp"] = r.tp;
+  if (r.machine) {
+    j["machine"] = {{"bandwidth_gb_per_s", r.machine->bytes_per_second / 1e9},
+                    {"gflop_per_s", o.gflops ? json(*o.gflops) : json(nullptr)}};
+  }
   json list = json::array();
   for (const Row& row : rows) {
     list.push_back({{"name", row.name},
@@ -43,6 +47,12 @@ json to_json(const Options& o, const Resolved& r, const std::vector<Row>& rows,
                       {"total_bytes", row.device_total_bytes}}},
                     {"kv_projection_params", row.kv_params},
                     {"attention_params", row.attention_params}});
+    if (row.decode_seconds) {
+      list.back()["decode"] = {{"seconds_per_token", *row.decode_seconds},
+                               {"bound", row.decode_memory_bound ? "memory" : "compute"},
+                               {"bytes_per_token", row.decode_bytes},
+                               {"flops_per_token", row.decode_flops}};
+    }
   }
   j["mechanisms"] = list;
   if (budget) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kvattn/analysis/decode_cost.hpp"
 #include "kvattn/analysis/params.hpp"
 #include "text.hpp"
 
@@ -28,6 +29,31 @@ Index default_d_model(Index heads, Index head_dim) {
          " (the default --d-model) is too large to represent; give --d-model");
   }
   return heads * head_dim;
+}
+
+/// The roofline time of one decoded token of one sequence: every layer's attention step
+/// over the tokens it keeps (a window layer min(L, W)), each at max(bytes / bandwidth,
+/// FLOPs / rate). The weights a step reads (MLA's W_UK and W_UV, LRKV's bases) count at
+/// the cache's element width, but at least 2 bytes (a bf16 checkpoint).
+template <class Config>
+void add_decode_time(Row& row, const Config& config, const Resolved& r) {
+  const Index weight_bytes = std::max<Index>(2, an::bytes_per_element(r.storage.dtype));
+  const Index full_layers = r.stack.layers - r.stack.window_layers;
+  const Index window_tokens = std::min(r.work.seq_len, r.stack.window);
+  double seconds = 0.0, compute = 0.0, memory = 0.0;
+  auto add = [&](Index layers, Index tokens) {
+    if (layers == 0) return;
+    const an::StepCost cost = an::attend_cost(config, tokens, r.storage, weight_bytes);
+    seconds += static_cast<double>(layers) * an::roofline_seconds(cost, *r.machine);
+    row.decode_bytes += static_cast<double>(layers) * cost.bytes;
+    row.decode_flops += static_cast<double>(layers) * cost.flops;
+    memory += static_cast<double>(layers) * cost.bytes / r.machine->bytes_per_second;
+    compute += static_cast<double>(layers) * cost.flops / r.machine->flops_per_second;
+  };
+  add(full_layers, r.work.seq_len);
+  add(r.stack.window_layers, window_tokens);
+  row.decode_seconds = seconds;
+  row.decode_memory_bound = memory >= compute;
 }
 
 template <class Config>
@@ -55,6 +81,7 @@ Row make_row(const std::string& name, const std::string& detail, const Config& c
   row.groups = an::gqa_equivalent_groups(row.layout, r.storage, r.head_dim);
   row.kv_params = an::kv_projection_params(config);
   row.attention_params = an::attention_params(config);
+  if (r.machine) add_decode_time(row, config, r);
   return row;
 }
 
@@ -144,6 +171,16 @@ Resolved resolve(const Options& o) {
     if (o.rope_dtype) r.storage.rope_dtype = *o.rope_dtype;
   }
   r.tp = o.tp;
+  if (o.gflops && !o.bandwidth_gbs) {
+    fail(
+        "--flops needs --bandwidth (the prediction is max(bytes / bandwidth, FLOPs / rate)), "
+        "e.g. --bandwidth 20 --flops 500");
+  }
+  if (o.bandwidth_gbs) {
+    // Without --flops the arithmetic is taken as free: the time is bytes / bandwidth.
+    r.machine = an::Machine{*o.bandwidth_gbs * 1e9,
+                            o.gflops ? *o.gflops * 1e9 : std::numeric_limits<double>::max()};
+  }
   return r;
 }
 

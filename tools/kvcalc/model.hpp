@@ -8,6 +8,7 @@
 
 #include "kvattn/analysis/budget.hpp"
 #include "kvattn/analysis/cache_size.hpp"
+#include "kvattn/analysis/decode_cost.hpp"
 #include "options.hpp"
 
 namespace kvcalc {
@@ -19,6 +20,7 @@ struct Resolved {
   an::Workload work;
   an::CacheStorage storage;
   Index tp;
+  std::optional<an::Machine> machine;  // --bandwidth / --flops
 };
 
 /// One mechanism's cache at the resolved shape.
@@ -39,6 +41,12 @@ struct Row {
   double groups = 0.0;
   Index kv_params = 0;
   Index attention_params = 0;
+  // With --bandwidth: one decode step of one sequence through every layer (each
+  // layer's attention step over the tokens it keeps, at the roofline).
+  std::optional<double> decode_seconds;
+  bool decode_memory_bound = true;
+  double decode_bytes = 0.0;  // summed over layers (and devices)
+  double decode_flops = 0.0;
 };
 
 struct BudgetResult {

@@ -52,6 +52,10 @@ struct Options {
   std::string budget_text;
   bool json = false;
   std::optional<std::string> svg_path;
+  // The roofline of a decode step (analysis/decode_cost.hpp): read bandwidth in GB/s
+  // (--bandwidth) and arithmetic rate in GFLOP/s (--flops, needs --bandwidth).
+  std::optional<double> bandwidth_gbs;
+  std::optional<double> gflops;
 };
 
 }  // namespace kvcalc

@@ -32,6 +32,10 @@ void print_table(std::ostream& out, const Options& o, const Resolved& r,
     header.push_back("per device/token");
     header.push_back("per device total");
   }
+  if (r.machine) {
+    header.push_back("decode/token");
+    header.push_back("bound");
+  }
   cells.push_back(header);
   for (const Row& row : rows) {
     std::vector<std::string> line = {row.name + (row.own ? "*" : "") + " (" + row.detail + ")",
@@ -44,6 +48,10 @@ void print_table(std::ostream& out, const Options& o, const Resolved& r,
     if (r.tp > 1) {
       line.push_back(human_bytes(row.device_bytes_per_token));
       line.push_back(human_bytes(row.device_total_bytes));
+    }
+    if (row.decode_seconds) {
+      line.push_back(human_seconds(*row.decode_seconds));
+      line.push_back(row.decode_memory_bound ? "memory" : "compute");
     }
     cells.push_back(line);
   }
@@ -71,6 +79,12 @@ void print_table(std::ostream& out, const Options& o, const Resolved& r,
       out << "* the model's own mechanism\n";
       break;
     }
+  }
+  if (r.machine) {
+    out << "decode/token: one sequence's attention step in every layer at "
+        << fixed(r.machine->bytes_per_second / 1e9, 1) << " GB/s";
+    if (o.gflops) out << " and " << fixed(*o.gflops, 1) << " GFLOP/s";
+    out << " (max of bytes / bandwidth and FLOPs / rate, per layer; analysis/decode_cost.hpp)\n";
   }
 
   // Log-scale bars of bytes per token: equal lengths are equal ratios.

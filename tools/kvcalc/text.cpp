@@ -68,4 +68,11 @@ std::string one_line(std::string text) {
   return text;
 }
 
+std::string human_seconds(double seconds) {
+  if (seconds < 1e-6) return fixed(seconds * 1e9, 0) + " ns";
+  if (seconds < 1e-3) return fixed(seconds * 1e6, seconds < 1e-5 ? 2 : 1) + " us";
+  if (seconds < 1.0) return fixed(seconds * 1e3, seconds < 1e-2 ? 2 : 1) + " ms";
+  return fixed(seconds, 2) + " s";
+}
+
 }  // namespace kvcalc
