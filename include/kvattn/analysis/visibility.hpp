@@ -22,15 +22,17 @@ constexpr double causal_visible_fraction(Index n) {
 /// kvattn::overflow_error when it does not fit in a signed 64-bit integer.
 constexpr Index causal_visible_cells(Index n) {
   kvattn::detail::require(n >= 0, "causal_visible_cells", "n", n, "must be >= 0 (tokens)");
-  // Halve the even factor first, so the product is exact whenever it fits.
-  const Index a = n % 2 == 0 ? n / 2 : n;
-  const Index b = n % 2 == 0 ? n + 1 : (n + 1) / 2;  // n + 1 <= INT64_MAX for n < INT64_MAX
-  Index cells = 0;
-  if (n == std::numeric_limits<Index>::max() || __builtin_mul_overflow(a, b, &cells)) {
+  const auto fail = [n] {
     throw kvattn::overflow_error("causal_visible_cells: n (" + std::to_string(n) +
                                  ") gives n (n + 1) / 2 cells, which does not fit in a signed "
                                  "64-bit integer");
-  }
+  };
+  if (n == std::numeric_limits<Index>::max()) fail();  // n + 1 itself would overflow
+  // Halve the even factor first, so the product is exact whenever it fits.
+  const Index a = n % 2 == 0 ? n / 2 : n;
+  const Index b = n % 2 == 0 ? n + 1 : (n + 1) / 2;
+  Index cells = 0;
+  if (__builtin_mul_overflow(a, b, &cells)) fail();
   return cells;
 }
 

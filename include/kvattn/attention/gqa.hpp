@@ -159,6 +159,8 @@ class GqaLayer {
     check_cache(cache, where);
     detail::check_shape(where, "x", x, -1, config_.d_model);
     const int thread_count = threads.resolved();
+    // No tokens: nothing to append or attend (and no block of an empty matrix to take).
+    if (x.rows() == 0) return RowMatrix<T>(0, config_.d_model);
     const Index past = cache.tokens();
     const Index length = x.rows();
     const Index dh = config_.head_dim;

@@ -137,6 +137,8 @@ class LrkvLayer {
     check_cache(cache, where);
     detail::check_shape(where, "x", x, -1, config_.d_model);
     const int thread_count = threads.resolved();
+    // No tokens: nothing to append or attend (and no block of an empty matrix to take).
+    if (x.rows() == 0) return RowMatrix<T>(0, config_.d_model);
     const Index n = x.rows();
     const Index past = cache.tokens();
     const Index H = config_.n_heads;

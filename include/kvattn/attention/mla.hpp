@@ -216,6 +216,8 @@ class MlaLayer {
                          ") is not an MlaPrefill (automatic, expanded or absorbed)");
     }
     const int thread_count = threads.resolved();
+    // No tokens: nothing to append or attend (and no block of an empty matrix to take).
+    if (x.rows() == 0) return RowMatrix<T>(0, config_.d_model);
     const Index past = cache.tokens();
     const Index length = x.rows();
     RowMatrix<T> query, latent, rope_keys;
