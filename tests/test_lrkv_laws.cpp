@@ -42,7 +42,7 @@ TEST_CASE("LRKV with r = 0 is MQA built from the shared weights", "[equivalence]
       const auto& w = lrkv.weights();
       const GqaConfig mqa =
           mqa_config(config.d_model, config.n_heads, config.head_dim, config.rope);
-      const GqaLayer<double> mqa_layer(mqa, {w.w_q, w.w_k_shared, w.w_v_shared, w.w_o, {}, {}, {}});
+      const GqaLayer<double> mqa_layer(mqa, {w.w_q, w.w_k_shared, w.w_v_shared, w.w_o, {}, {}, {}, {}});
       const RowMatrix<double> x = test::random_input<double>(17, config.d_model, 5);
       const RowMatrix<double> expected = run_gqa(mqa_layer, x, 6);
       INFO(test::describe_case(config));

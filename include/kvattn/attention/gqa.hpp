@@ -43,6 +43,7 @@ struct GqaWeights {
   RowVector<T> bias_q;  // 1 x (H * d_h), empty without qkv_bias
   RowVector<T> bias_k;  // 1 x (n_kv * d_h), empty without qkv_bias
   RowVector<T> bias_v;  // 1 x (n_kv * d_h), empty without qkv_bias
+  RowVector<T> sinks;   // 1 x H, the per-head sink logits (sink_logits only, else empty)
 
   /// Weights drawn from N(0, 1/fan_in); biases (with qkv_bias) from N(0, 0.25).
   static GqaWeights random(const GqaConfig& config, std::uint64_t seed) {
@@ -60,15 +61,17 @@ struct GqaWeights {
       w.bias_k = random_normal<T>(1, kv_width, rng, 0.5);
       w.bias_v = random_normal<T>(1, kv_width, rng, 0.5);
     }
+    // Drawn last, so a config without sink logits keeps the weights it always had.
+    if (config.sink_logits) w.sinks = random_normal<T>(1, config.n_heads, rng);
     return w;
   }
 
   /// The same weights in another scalar type (e.g. double for a reference).
   template <class U>
   GqaWeights<U> cast() const {
-    return {w_q.template cast<U>(),   w_k.template cast<U>(),    w_v.template cast<U>(),
-            w_o.template cast<U>(),   bias_q.template cast<U>(), bias_k.template cast<U>(),
-            bias_v.template cast<U>()};
+    return {w_q.template cast<U>(),    w_k.template cast<U>(),    w_v.template cast<U>(),
+            w_o.template cast<U>(),    bias_q.template cast<U>(), bias_k.template cast<U>(),
+            bias_v.template cast<U>(), sinks.template cast<U>()};
   }
 
   /// Throws shape_error unless every matrix matches `config`.
@@ -85,6 +88,8 @@ struct GqaWeights {
     detail::check_shape(where, "bias_q", bias_q, q_bias == 0 ? -1 : 1, q_bias);
     detail::check_shape(where, "bias_k", bias_k, kv_bias == 0 ? -1 : 1, kv_bias);
     detail::check_shape(where, "bias_v", bias_v, kv_bias == 0 ? -1 : 1, kv_bias);
+    detail::check_shape(where, "sinks", sinks, config.sink_logits ? 1 : -1,
+                        config.sink_logits ? config.n_heads : 0);
   }
 };
 
@@ -284,6 +289,7 @@ class GqaLayer {
  private:
   template <class S>
   void check_cache(const GqaCache<T, S>& cache, const char* where) const {
+    detail::require_plain_span(config_, where);
     if (!(cache.config() == config_)) {
       throw config_error(std::string(where) + ": the cache was made for config " +
                          detail::describe(cache.config()) + " (or other RoPE/bias settings)" +

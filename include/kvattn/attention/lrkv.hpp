@@ -329,6 +329,7 @@ class LrkvLayer {
 
   template <class S>
   void check_cache(const LrkvCache<T, S>& cache, const char* where) const {
+    detail::require_plain_span(config_, where);
     if (!(cache.config() == config_)) {
       throw config_error(std::string(where) + ": the cache was made for config " +
                          detail::describe(cache.config()) +

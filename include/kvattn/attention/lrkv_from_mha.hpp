@@ -35,6 +35,10 @@ inline LrkvConfig lrkv_config_from_mha(const GqaConfig& mha) {
   config.rope_mode = mha.rope.enabled() ? LrkvRopeMode::commuting : LrkvRopeMode::none;
   config.rope = mha.rope;
   config.softmax_scale = mha.softmax_scale;
+  config.window = mha.window;
+  config.sink_tokens = mha.sink_tokens;
+  config.sink_logits = mha.sink_logits;
+  config.logit_softcap = mha.logit_softcap;
   config.validate();
   return config;
 }
@@ -75,6 +79,7 @@ LrkvWeights<T> lrkv_weights_from_mha(const GqaConfig& mha, const GqaWeights<T>& 
     w.basis_v.middleCols(h * dh, dh).setIdentity();
   }
   w.w_o = weights.w_o;
+  w.sinks = weights.sinks;
   w.w_qr = RowMatrix<T>(d, 0);
   w.w_kr = RowMatrix<T>(d, 0);
   return w;

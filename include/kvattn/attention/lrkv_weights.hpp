@@ -100,6 +100,7 @@ struct LrkvWeights {
   RowMatrix<T> w_qr;           // W_QR: d x (H * d_R), decoupled only (else d x 0)
   RowMatrix<T> w_kr;           // W_KR: d x d_R, decoupled only (else d x 0)
   RowVector<T> key_norm_gain;  // g: 1 x d_h, key_norm only (else 1 x 0)
+  RowVector<T> sinks;          // 1 x H, the per-head sink logits (sink_logits only, else empty)
 
   /// Seeded weights following the paper's initialization (seed 000, "training" slide):
   /// W_h^Q, W_shared, W_O, W_QR, W_KR and U_h from N(0, 1/fan_in), B_h from N(0, 1/r),
@@ -172,6 +173,8 @@ struct LrkvWeights {
       rescale_residual(w.u_k, w.basis_k, w.w_k_shared, h, r, residual_scale);
       rescale_residual(w.u_v, w.basis_v, w.w_v_shared, h, r, residual_scale);
     }
+    // Drawn last, so a config without sink logits keeps the weights it always had.
+    if (config.sink_logits) w.sinks = random_normal<T>(1, config.n_heads, rng);
     return w;
   }
 
@@ -179,10 +182,10 @@ struct LrkvWeights {
   template <class U>
   LrkvWeights<U> cast() const {
     return {
-        w_q.template cast<U>(),     w_k_shared.template cast<U>(),   w_v_shared.template cast<U>(),
-        u_k.template cast<U>(),     u_v.template cast<U>(),          basis_k.template cast<U>(),
-        basis_v.template cast<U>(), w_o.template cast<U>(),          w_qr.template cast<U>(),
-        w_kr.template cast<U>(),    key_norm_gain.template cast<U>()};
+        w_q.template cast<U>(),     w_k_shared.template cast<U>(),    w_v_shared.template cast<U>(),
+        u_k.template cast<U>(),     u_v.template cast<U>(),           basis_k.template cast<U>(),
+        basis_v.template cast<U>(), w_o.template cast<U>(),           w_qr.template cast<U>(),
+        w_kr.template cast<U>(),    key_norm_gain.template cast<U>(), sinks.template cast<U>()};
   }
 
   /// Throws shape_error unless every matrix matches `config`, and config_error when
@@ -207,6 +210,8 @@ struct LrkvWeights {
     detail::check_shape(where, "w_kr", w_kr, dr > 0 ? d : -1, dr);
     detail::check_shape(where, "key_norm_gain", key_norm_gain, config.key_norm ? 1 : -1,
                         config.key_norm ? dh : 0);
+    detail::check_shape(where, "sinks", sinks, config.sink_logits ? 1 : -1,
+                        config.sink_logits ? config.n_heads : 0);
     if (config.rope_mode == LrkvRopeMode::commuting) {
       (void)detail::lrkv_latent_planes(config, basis_k);
       if (config.key_norm) {

@@ -74,6 +74,7 @@ struct MlaWeights {
   RowMatrix<T> w_uk;          // d_c x H*d_nope
   RowMatrix<T> w_uv;          // d_c x H*d_v
   RowMatrix<T> w_o;           // H*d_v x d
+  RowVector<T> sinks;         // 1 x H, the per-head sink logits (sink_logits only, else empty)
 
   /// Weights drawn from N(0, 1/fan_in); RMSNorm gains from 1 + N(0, 0.2^2).
   static MlaWeights random(const MlaConfig& config, std::uint64_t seed) {
@@ -97,17 +98,19 @@ struct MlaWeights {
     w.w_uk = random_weight<T>(c.kv_rank, c.n_heads * c.qk_nope_dim, rng);
     w.w_uv = random_weight<T>(c.kv_rank, c.n_heads * c.v_dim, rng);
     w.w_o = random_weight<T>(c.n_heads * c.v_dim, c.d_model, rng);
+    // Drawn last, so a config without sink logits keeps the weights it always had.
+    if (config.sink_logits) w.sinks = random_normal<T>(1, config.n_heads, rng);
     return w;
   }
 
   /// The same weights in another scalar type (e.g. double for a reference).
   template <class U>
   MlaWeights<U> cast() const {
-    return {w_dq.template cast<U>(),  q_norm_gain.template cast<U>(),
-            w_uq.template cast<U>(),  w_q.template cast<U>(),
-            w_dkv.template cast<U>(), kv_norm_gain.template cast<U>(),
-            w_kr.template cast<U>(),  w_uk.template cast<U>(),
-            w_uv.template cast<U>(),  w_o.template cast<U>()};
+    return {
+        w_dq.template cast<U>(), q_norm_gain.template cast<U>(), w_uq.template cast<U>(),
+        w_q.template cast<U>(),  w_dkv.template cast<U>(),       kv_norm_gain.template cast<U>(),
+        w_kr.template cast<U>(), w_uk.template cast<U>(),        w_uv.template cast<U>(),
+        w_o.template cast<U>(),  sinks.template cast<U>()};
   }
 
   /// Throws shape_error unless every matrix matches `config` (unused ones empty).
@@ -129,6 +132,8 @@ struct MlaWeights {
     detail::check_shape(where, "w_uk", w_uk, c.kv_rank, c.n_heads * c.qk_nope_dim);
     detail::check_shape(where, "w_uv", w_uv, c.kv_rank, c.n_heads * c.v_dim);
     detail::check_shape(where, "w_o", w_o, c.n_heads * c.v_dim, c.d_model);
+    detail::check_shape(where, "sinks", sinks, config.sink_logits ? 1 : -1,
+                        config.sink_logits ? config.n_heads : 0);
   }
 };
 
@@ -351,6 +356,7 @@ class MlaLayer {
  private:
   template <class S>
   void check_cache(const MlaCache<T, S>& cache, const char* where) const {
+    detail::require_plain_span(config_, where);
     if (!(cache.config() == config_)) {
       throw config_error(std::string(where) + ": the cache was made for config " +
                          detail::describe(cache.config()) +

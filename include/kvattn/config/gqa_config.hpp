@@ -20,6 +20,12 @@ struct GqaConfig {
   bool qkv_bias = false;       // biases on the Q, K, V projections (as Qwen2 has)
   RopeConfig rope{};           // rotary embedding of queries and keys (width d_h)
   double softmax_scale = 0.0;  // 0 means 1/sqrt(d_h)
+  Index window = 0;            // W: a query sees its last W tokens, itself included; 0: global
+  Index sink_tokens = 0;       // k: the first k tokens stay visible past the window
+                               // (StreamingLLM); needs window > 0
+  bool sink_logits = false;    // a learned logit per head joins each softmax denominator with
+                               // no value (GPT-OSS); the values are the weights' `sinks`
+  double logit_softcap = 0.0;  // c > 0: each scaled logit s becomes c tanh(s / c) (Gemma 2)
 
   /// Query heads per KV head, H / n_kv.
   constexpr Index group_size() const { return n_heads / n_kv_heads; }
@@ -46,6 +52,7 @@ struct GqaConfig {
                           n_kv_heads, ")");
     }
     detail::check_softmax_scale(where, softmax_scale, "1/sqrt(head_dim)");
+    detail::check_attention_span(where, window, sink_tokens, logit_softcap);
     rope.validate(where);
     if (rope.enabled()) {
       detail::require(head_dim % 2 == 0, where, "head_dim", head_dim,

@@ -71,6 +71,12 @@ struct LrkvConfig {
                           // shared by all heads; order norm -> gain -> RoPE
   double key_norm_epsilon = 1e-6;  // epsilon inside the root of the key RMS
   double softmax_scale = 0.0;      // 0: 1/sqrt(d_h), or 1/sqrt(d_h + d_R) when decoupled
+  Index window = 0;                // W: a query sees its last W tokens, itself included; 0: global
+  Index sink_tokens = 0;           // k: the first k tokens stay visible past the window
+                                   // (StreamingLLM); needs window > 0
+  bool sink_logits = false;        // a learned logit per head joins each softmax denominator with
+                                   // no value (GPT-OSS); the values are the weights' `sinks`
+  double logit_softcap = 0.0;      // c > 0: each scaled logit s becomes c tanh(s / c) (Gemma 2)
 
   /// The scale applied to the logits before the softmax.
   double scale() const {
@@ -151,6 +157,7 @@ struct LrkvConfig {
                           ") must be finite and > 0");
     }
     detail::check_softmax_scale(where, softmax_scale, "the default 1/sqrt(width)");
+    detail::check_attention_span(where, window, sink_tokens, logit_softcap);
     const Index heads = detail::size_product(where, "n_heads x head_dim", n_heads, head_dim);
     const Index residual =
         detail::size_product(where, "residual width n_heads x rank", n_heads, rank);

@@ -31,6 +31,12 @@ struct MlaConfig {
   bool kv_norm = true;    // RMSNorm (with gain) on c_kv; the cached latent is the normalized one
   double norm_epsilon = 1e-6;  // epsilon inside both RMSNorms (rms_norm_eps)
   double softmax_scale = 0.0;  // 0: 1/sqrt(d_nope + d_R) * m^2 (see scale())
+  Index window = 0;            // W: a query sees its last W tokens, itself included; 0: global
+  Index sink_tokens = 0;       // k: the first k tokens stay visible past the window
+                               // (StreamingLLM); needs window > 0
+  bool sink_logits = false;    // a learned logit per head joins each softmax denominator with
+                               // no value (GPT-OSS); the values are the weights' `sinks`
+  double logit_softcap = 0.0;  // c > 0: each scaled logit s becomes c tanh(s / c) (Gemma 2)
 
   /// Width of one query/key head, d_nope + d_R (q_head_dim).
   constexpr Index qk_head_dim() const { return qk_nope_dim + rope_dim; }
@@ -69,6 +75,7 @@ struct MlaConfig {
     }
     detail::check_softmax_scale(where, softmax_scale,
                                 "1/sqrt(qk_nope_dim + rope_dim) times YaRN's m^2");
+    detail::check_attention_span(where, window, sink_tokens, logit_softcap);
     rope.validate(where);
     yarn.validate(where);
     if (rope.enabled()) {

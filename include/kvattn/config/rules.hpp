@@ -28,6 +28,36 @@ constexpr void check_softmax_scale(const char* where, double softmax_scale,
   }
 }
 
+/// The fields every mechanism shares for which keys a query sees and how its logits are
+/// shaped: window (W >= 0, 0 = global), sink_tokens (k >= 0, needs a window: with global
+/// attention every token stays visible anyway), logit_softcap (c >= 0, finite).
+constexpr void check_attention_span(const char* where, Index window, Index sink_tokens,
+                                    double logit_softcap) {
+  require(window >= 0, where, "window", window, "must be >= 0 (0 means global attention)");
+  require(sink_tokens >= 0, where, "sink_tokens", sink_tokens, "must be >= 0");
+  if (sink_tokens > 0 && window == 0) {
+    fail_config(where, ": sink_tokens (", sink_tokens,
+                ") needs a window (window > 0): with global attention every token stays visible");
+  }
+  if (!(logit_softcap >= 0.0) || !is_finite(logit_softcap)) {
+    fail_config(where, ": logit_softcap (", logit_softcap,
+                ") must be finite and >= 0 (0 means no soft-capping)");
+  }
+}
+
+/// Throws config_error unless the config uses global attention with plain logits: the
+/// factored layers' kernels do not compute windows, sink tokens, sink logits or
+/// soft-capping yet (reference::forward does).
+template <class Config>
+void require_plain_span(const Config& c, const char* where) {
+  if (c.window != 0 || c.sink_tokens != 0 || c.sink_logits || c.logit_softcap != 0.0) {
+    fail_config(where, ": window (", c.window, "), sink_tokens (", c.sink_tokens,
+                "), sink_logits (", c.sink_logits, ") and logit_softcap (", c.logit_softcap,
+                ") are computed by reference::forward only so far; the factored prefill, decode "
+                "and attend need all of them off");
+  }
+}
+
 /// The one softmax-scale rule: the explicit scale when set (> 0), else
 /// factor / sqrt(width), where width is the width of the dotted query/key vectors.
 inline double softmax_scale_or_default(double softmax_scale, Index width, double factor = 1.0) {

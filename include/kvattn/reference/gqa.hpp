@@ -3,6 +3,7 @@
 // the fast paths never include this header.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -16,10 +17,11 @@
 namespace kvattn::reference {
 
 /// The layer's output for a whole sequence x (L x d), token i at position
-/// rope.position_offset + i, under `mask` (causal by default). Returns L x d.
+/// rope.position_offset + i, under `mask` (by default the layer's own: causal, or its sliding
+/// window with its sink tokens), with the layer's soft-cap and sink logits. Returns L x d.
 template <class T>
 RowMatrix<T> forward(const GqaLayer<T>& layer, const ConstMatrixRef<std::type_identity_t<T>>& x,
-                     const Mask& mask = Mask::causal()) {
+                     const std::optional<Mask>& mask = std::nullopt) {
   const GqaConfig& c = layer.config();
   const GqaWeights<T>& w = layer.weights();
   detail::check_shape("reference::forward", "x", x, -1, c.d_model);
@@ -44,8 +46,9 @@ RowMatrix<T> forward(const GqaLayer<T>& layer, const ConstMatrixRef<std::type_id
     const Index g = h / (c.n_heads / c.n_kv_heads);  // repeat-interleave
     const RowMatrix<T> k_h = k.middleCols(g * c.head_dim, c.head_dim);
     const RowMatrix<T> v_h = v.middleCols(g * c.head_dim, c.head_dim);
-    heads.middleCols(h * c.head_dim, c.head_dim) = attention<T>(
-        q.middleCols(h * c.head_dim, c.head_dim), k_h, v_h, static_cast<T>(c.scale()), mask);
+    heads.middleCols(h * c.head_dim, c.head_dim) =
+        attention<T>(q.middleCols(h * c.head_dim, c.head_dim), k_h, v_h, static_cast<T>(c.scale()),
+                     mask.value_or(mask_of(c)), 0, shaping_of(c, w, h));
   }
   return heads * w.w_o;
 }
@@ -81,8 +84,9 @@ RowMatrix<T> decode_step(const GqaLayer<T>& layer, const GqaCache<T, S>& cache,
     const Index g = h / c.group_size();  // repeat-interleave
     const RowMatrix<T> k_h = cache.keys(g).template cast<T>();
     const RowMatrix<T> v_h = cache.values(g).template cast<T>();
-    heads.middleCols(h * dh, dh) = attention<T>(q.middleCols(h * dh, dh), k_h, v_h,
-                                                layer.softmax_scale(), Mask::causal(), newest);
+    heads.middleCols(h * dh, dh) =
+        attention<T>(q.middleCols(h * dh, dh), k_h, v_h, layer.softmax_scale(), mask_of(c), newest,
+                     shaping_of(c, layer.weights(), h));
   }
   return heads;
 }

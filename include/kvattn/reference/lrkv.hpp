@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -19,7 +20,8 @@
 namespace kvattn::reference {
 
 /// The layer's output for a whole sequence x (L x d), token i at position
-/// rope.position_offset + i, under `mask` (causal by default). Returns L x d.
+/// rope.position_offset + i, under `mask` (by default the layer's own: causal, or its sliding
+/// window with its sink tokens), with the layer's soft-cap and sink logits. Returns L x d.
 ///
 /// Per head h (rows are tokens; P rotates each row at its own position):
 ///   none       scores Q_h K_h^T
@@ -31,7 +33,7 @@ namespace kvattn::reference {
 /// with key norm K_h <- g (.) K_h / rho (row-wise RMS of K_s + R_h^K (B_h^K)^T) first.
 template <class T>
 RowMatrix<T> forward(const LrkvLayer<T>& layer, const ConstMatrixRef<std::type_identity_t<T>>& x,
-                     const Mask& mask = Mask::causal()) {
+                     const std::optional<Mask>& mask = std::nullopt) {
   const LrkvConfig& c = layer.config();
   const LrkvWeights<T>& w = layer.weights();
   detail::check_shape("reference::forward", "x", x, -1, c.d_model);
@@ -109,7 +111,8 @@ RowMatrix<T> forward(const LrkvLayer<T>& layer, const ConstMatrixRef<std::type_i
         break;
       }
     }
-    heads.middleCols(h * dh, dh) = attention<T>(q_model, k_model, v, scale, mask);
+    heads.middleCols(h * dh, dh) =
+        attention<T>(q_model, k_model, v, scale, mask.value_or(mask_of(c)), 0, shaping_of(c, w, h));
   }
   return heads * w.w_o;
 }
@@ -208,7 +211,8 @@ RowMatrix<T> decode_step(const LrkvLayer<T>& layer, const LrkvCache<T, S>& cache
       }
     }
     heads.middleCols(h * dh, dh) =
-        attention<T>(q_model, k_model, v, layer.softmax_scale(), Mask::causal(), newest);
+        attention<T>(q_model, k_model, v, layer.softmax_scale(), mask_of(c), newest,
+                     shaping_of(c, layer.weights(), h));
   }
   return heads;
 }

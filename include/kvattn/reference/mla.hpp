@@ -4,6 +4,7 @@
 // never include this header.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -19,10 +20,11 @@
 namespace kvattn::reference {
 
 /// The layer's output for a whole sequence x (L x d), token i at position
-/// rope.position_offset + i, under `mask` (causal by default). Returns L x d.
+/// rope.position_offset + i, under `mask` (by default the layer's own: causal, or its sliding
+/// window with its sink tokens), with the layer's soft-cap and sink logits. Returns L x d.
 template <class T>
 RowMatrix<T> forward(const MlaLayer<T>& layer, const ConstMatrixRef<std::type_identity_t<T>>& x,
-                     const Mask& mask = Mask::causal()) {
+                     const std::optional<Mask>& mask = std::nullopt) {
   const MlaConfig& c = layer.config();
   const MlaWeights<T>& w = layer.weights();
   detail::check_shape("reference::forward", "x", x, -1, c.d_model);
@@ -67,7 +69,8 @@ RowMatrix<T> forward(const MlaLayer<T>& layer, const ConstMatrixRef<std::type_id
     k_h.rightCols(dr) = rope_keys;
     const RowMatrix<T> v_h = latent * w.w_uv.middleCols(h * c.v_dim, c.v_dim);
     heads.middleCols(h * c.v_dim, c.v_dim) =
-        attention<T>(q.middleCols(h * qd, qd), k_h, v_h, static_cast<T>(c.scale()), mask);
+        attention<T>(q.middleCols(h * qd, qd), k_h, v_h, static_cast<T>(c.scale()),
+                     mask.value_or(mask_of(c)), 0, shaping_of(c, w, h));
   }
   return heads * w.w_o;
 }
@@ -110,8 +113,9 @@ RowMatrix<T> decode_step(const MlaLayer<T>& layer, const MlaCache<T, S>& cache,
     k_h.leftCols(dn) = latent * w.w_uk.middleCols(h * dn, dn);
     k_h.rightCols(dr) = rope_keys;
     const RowMatrix<T> v_h = latent * w.w_uv.middleCols(h * c.v_dim, c.v_dim);
-    heads.middleCols(h * c.v_dim, c.v_dim) = attention<T>(
-        q.middleCols(h * qd, qd), k_h, v_h, layer.softmax_scale(), Mask::causal(), newest);
+    heads.middleCols(h * c.v_dim, c.v_dim) =
+        attention<T>(q.middleCols(h * qd, qd), k_h, v_h, layer.softmax_scale(), mask_of(c), newest,
+                     shaping_of(c, w, h));
   }
   return heads;
 }
