@@ -111,7 +111,6 @@ class GqaLayer {
   /// count (or with another layer's workspace) grows it first, which allocates.
   struct Workspace {
     RowVector<T> query, key, value, heads;  // 1 x H*d_h, n_kv*d_h, n_kv*d_h, H*d_h
-    RowVector<T> query_transposed;          // 1 x H*d_h: each group's heads, d_h x group
     detail::SplitScratch<T> split;          // partial softmax states per thread
   };
 
@@ -380,7 +379,6 @@ class GqaLayer {
     const Index q_width = config_.query_width();
     const Index kv_width = config_.kv_width();
     detail::reshape(ws.query, q_width);
-    detail::reshape(ws.query_transposed, q_width);
     detail::reshape(ws.heads, q_width);
     detail::reshape(ws.key, kv_width);
     detail::reshape(ws.value, kv_width);
@@ -393,33 +391,34 @@ class GqaLayer {
   }
 
   // One KV group's tiles: logits of the group's query heads (scaled, rotated) against
-  // the tile's keys, then the weighted sum of the tile's values.
+  // the tile's keys, then the weighted sum of the tile's values. Keys and values are two
+  // dense blocks per group, read as two front-to-back streams a tile at a time; each
+  // phase prefetches what the other reads next (the tile's values while its keys are
+  // scored, the next tile's keys while the values are summed), spread over its loop.
   template <class S>
   struct DecodeOps {
     const GqaCache<T, S>& cache;
-    const T* query;             // H x d_h
-    const T* query_transposed;  // per group d_h x group_size, or null (see prepare)
+    const T* query;  // H x d_h
     Index group_size;
     Index head_dim;
 
-    void score(Index group, Index first, Index n, T* logits, T* /*buffer*/) const {
-      const T* qt =
-          query_transposed != nullptr ? query_transposed + group * group_size * head_dim : nullptr;
-      const Index ahead = std::min(n, cache.tokens() - first - n);
-      if (ahead > 0) {  // the next tile's keys and values, while this one computes
-        detail::prefetch_rows(cache.key_row(group, first + n), head_dim, ahead, head_dim);
-        detail::prefetch_rows(cache.value_row(group, first + n), head_dim, ahead, head_dim);
-      }
-      detail::score(query + group * group_size * head_dim, qt, group_size, head_dim,
-                    cache.key_row(group, first), head_dim, n, logits, group_size, false);
+    void score(Index group, Index first, Index n, T* logits, Index ld) const {
+      detail::Prefetcher values(cache.value_row(group, first), n * head_dim * Index{sizeof(S)});
+      detail::score_rows(query + group * group_size * head_dim, head_dim, group_size, head_dim,
+                         cache.key_row(group, first), head_dim, 0, n, logits, ld, false, &values);
     }
 
-    void accumulate(Index group, Index first, Index n, const T* weights, T* acc,
-                    T* /*buffer*/) const {
-      detail::accumulate(weights, group_size, group_size, cache.value_row(group, first), head_dim,
-                         head_dim, n, acc, head_dim);
+    void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc) const {
+      const Index ahead = std::max<Index>(0, std::min(n, cache.tokens() - first - n));
+      detail::Prefetcher keys(cache.key_row(group, first + n), ahead * head_dim * Index{sizeof(S)});
+      detail::accumulate_rows(weights, ld, group_size, cache.value_row(group, first), head_dim, 0,
+                              head_dim, n, acc, head_dim, kStreamBlock, &keys);
     }
   };
+
+  // Tokens per accumulate block (see detail::accumulate_rows): small, so the value tile
+  // is read front to back.
+  static constexpr Index kStreamBlock = 16;
 
   // The attention of the newest token with ws.query (projected, not yet rotated) into
   // `heads` (H * d_h scalars). Never throws: prepare() has sized everything.
@@ -429,17 +428,7 @@ class GqaLayer {
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
     rope_.rotate(ws.query.data(), position, config_.n_heads, config_.head_dim);
     ws.query *= scale_;
-    const Index group = config_.group_size();
-    const Index dh = config_.head_dim;
-    const bool broadcast = group % detail::packet_size<T> == 0;
-    if (broadcast) {  // each group's heads transposed, d_h x group, for score_broadcast
-      for (Index g = 0; g < config_.n_kv_heads; ++g) {
-        Eigen::Map<RowMatrix<T>>(ws.query_transposed.data() + g * group * dh, dh, group) =
-            Eigen::Map<const RowMatrix<T>>(ws.query.data() + g * group * dh, group, dh).transpose();
-      }
-    }
-    const DecodeOps<S> ops{cache, ws.query.data(), broadcast ? ws.query_transposed.data() : nullptr,
-                           group, dh};
+    const DecodeOps<S> ops{cache, ws.query.data(), config_.group_size(), config_.head_dim};
     detail::split_attention(plan, ws.split, ops, heads);
   }
 

@@ -1,0 +1,221 @@
+// Vector building blocks of the decode kernels, on Eigen's packets (SSE, AVX/AVX2,
+// AVX-512, NEON, or scalar: whatever the translation unit is compiled for; see
+// core/simd.hpp): widening loads from a narrower storage type, masked row tails,
+// lane-wise sums of a block of accumulators, a softmax exponential, prefetching.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "kvattn/core/types.hpp"
+
+// Register blocks are small arrays indexed by constant-trip loops; they must be
+// fully unrolled so the arrays live in registers, not on the stack.
+#if defined(__clang__)
+#define KVATTN_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define KVATTN_UNROLL _Pragma("GCC unroll 16")
+#else
+#define KVATTN_UNROLL
+#endif
+
+namespace kvattn::detail {
+
+namespace ei = Eigen::internal;
+
+template <class T>
+using Packet = typename ei::packet_traits<T>::type;
+
+template <class T>
+inline constexpr Index packet_size = ei::unpacket_traits<Packet<T>>::size;
+
+/// Register blocks are sized so accumulators, operands and a broadcast fit in the
+/// vector registers: 16 (SSE, AVX2) or 32 (AVX-512, AArch64 NEON).
+inline constexpr bool many_registers = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
+
+/// P consecutive elements of storage type S as one packet of T.
+template <class T, class S>
+inline Packet<T> load_widened(const S* from) {
+  if constexpr (std::is_same_v<S, T>) {
+    return ei::ploadu<Packet<T>>(from);
+  } else {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
+                  packet_size<T> == 16) {
+      return ei::pcast<ei::Packet16bf, ei::Packet16f>(ei::ploadu<ei::Packet16bf>(from));
+    }
+#elif defined(EIGEN_VECTORIZE_AVX)
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
+                  packet_size<T> == 8) {
+      return ei::pcast<ei::Packet8bf, ei::Packet8f>(ei::ploadu<ei::Packet8bf>(from));
+    }
+#endif
+    // Portable path: widen through a small stack array.
+    alignas(64) T widened[packet_size<T>];
+    for (Index k = 0; k < packet_size<T>; ++k) widened[k] = static_cast<T>(from[k]);
+    return ei::pload<Packet<T>>(widened);
+  }
+}
+
+/// Pins a loaded packet to a register. GCC folds a load into every FMA that uses it
+/// (vfmadd231ps mem, ...), so an operand shared by a register block is re-read from L1
+/// once per use: 14 loads per 12 FMAs in a 2 x 6 block, and the two 256-bit load ports
+/// (Zen 3) then cap the block at ~85% of the FMA rate. An empty asm that "modifies" the
+/// register makes the compiler keep the one load. No instruction is emitted.
+template <class P>
+inline void keep_in_register(P& p) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && \
+    defined(__SSE2__)
+  asm("" : "+v"(p));
+#else
+  (void)p;
+#endif
+}
+
+/// x with lanes [0, skip) set to +0. A row of width w >= P ends with a packet loaded
+/// at w - P, which overlaps the previous full packet by skip = P - w % P lanes; zeroing
+/// them (in both operands of a product) counts every element once and reads nothing
+/// outside the row, with no scalar loop. Zero bits, not a multiplication by 0, so an
+/// infinite element in the overlap cannot turn into a NaN.
+template <class T>
+inline Packet<T> zero_first(const Packet<T>& x, Index skip) {
+  const Packet<T> lanes = ei::plset<Packet<T>>(T(0));
+  return ei::pandnot(x, ei::pcmp_lt(lanes, ei::pset1<Packet<T>>(static_cast<T>(skip))));
+}
+
+/// One packet holding the sums of P accumulators: lane k = sum of the lanes of acc[k].
+/// A dot-product kernel reduces a whole block of P dot products with this once, instead
+/// of P horizontal sums (a transpose-and-add tree: log2(P) shuffle stages).
+//
+// (PacketBlock<Packet<T>, P> names a vector type as a template argument, which GCC
+// reports with -Wignored-attributes: the vector's alignment attribute does not take
+// part in template matching. It does not need to: the block is a plain local array.)
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+template <class T>
+inline Packet<T> sum_lanes(const Packet<T>* acc) {
+  constexpr Index P = packet_size<T>;
+#if defined(EIGEN_VECTORIZE_AVX) && !defined(EIGEN_VECTORIZE_AVX512)
+  if constexpr (std::is_same_v<T, float> && P == 8) {
+    // hadd pairs: [a0 a0 a1 a1 | a0 a0 a1 a1] (two-lane sums, per 128-bit half) ...
+    const __m256 h0 = _mm256_hadd_ps(acc[0], acc[1]);
+    const __m256 h1 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 h2 = _mm256_hadd_ps(acc[4], acc[5]);
+    const __m256 h3 = _mm256_hadd_ps(acc[6], acc[7]);
+    // ... then [a0 a1 a2 a3 | a0 a1 a2 a3] (four-lane sums per half) ...
+    const __m256 g0 = _mm256_hadd_ps(h0, h1);
+    const __m256 g1 = _mm256_hadd_ps(h2, h3);
+    // ... and the two halves added: [a0 .. a3 | a4 .. a7].
+    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
+                         _mm256_permute2f128_ps(g0, g1, 0x31));
+  }
+#endif
+  if constexpr (P == 1) {
+    return acc[0];
+  } else if constexpr (P == 2 || P == 4 || P == 8 || P == 16) {
+    // Eigen's in-register transpose: packet k then holds lane k of every accumulator.
+    ei::PacketBlock<Packet<T>, static_cast<int>(P)> block;
+    KVATTN_UNROLL
+    for (int k = 0; k < P; ++k) block.packet[k] = acc[k];
+    ei::ptranspose(block);
+    for (int k = 1; k < P; ++k) block.packet[0] = ei::padd(block.packet[0], block.packet[k]);
+    return block.packet[0];
+  } else {
+    alignas(64) T sums[P];
+    for (Index k = 0; k < P; ++k) sums[k] = ei::predux(acc[k]);
+    return ei::pload<Packet<T>>(sums);
+  }
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+/// exp(x) for the softmax weights, x = logit - running maximum (<= 0, or NaN): Eigen's
+/// vectorized exp, except that x below the normal range (exp(x) < the smallest normal
+/// T) gives exactly 0. Eigen's pexp clamps its argument and returns ~3e-39 for -inf;
+/// the softmax of a -inf logit must be 0, and denormal weights would only slow every
+/// product that uses them. NaN stays NaN.
+template <class T>
+inline Packet<T> softmax_exp(const Packet<T>& x) {
+  // ln(e * 2^min_exponent): -85.6 (float), -707.4 (double), so exp(x) >= x's lowest
+  // normal, 2^(min_exponent - 1).
+  constexpr T lowest = std::numeric_limits<T>::min_exponent * T(0.6931471805599453) + T(1);
+  const Packet<T> underflow = ei::pcmp_lt(x, ei::pset1<Packet<T>>(lowest));
+  return ei::pandnot(ei::pexp(x), underflow);
+}
+
+/// The scalar form of softmax_exp (same results for the same x, up to exp's rounding).
+template <class T>
+inline T softmax_exp(T x) {
+  constexpr T lowest = std::numeric_limits<T>::min_exponent * T(0.6931471805599453) + T(1);
+  return x < lowest ? T(0) : std::exp(x);
+}
+
+/// Asks for the cache line at p to be brought into the cache hierarchy (a hint: no
+/// fault, no effect on results).
+inline void prefetch_line(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
+/// Software prefetch spread evenly over a kernel's loop: the kernel plans how many
+/// steps its loop takes, then every step issues its share of the range's cache lines
+/// (one line every few steps when there are fewer lines than steps).
+///
+/// Why: a register block reads B cached rows side by side, 32 bytes of each at a time.
+/// To the hardware prefetchers that is B short streams of one row (512 bytes for d_h =
+/// 128) that end before they are learned, not one long stream: a dot-product pass over
+/// a key block in blocks of B >= 2 rows read at ~0.65 of the read-only bandwidth here,
+/// the same pass row by row at 0.96. The decode ops therefore prefetch each stream a
+/// few KiB ahead of the block being computed (the same rows shifted), spread over the
+/// loop: issued all at once, as a burst per tile or per block, the prefetches fill the
+/// miss queues and stall the loads behind them (measured no better than none).
+struct Prefetcher {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  Index lines_per_step = 0;  // lines issued by a step that issues
+  Index period = 1;          // a step issues every `period` steps
+  Index countdown = 1;
+
+  static constexpr Index kLine = 64;
+
+  Prefetcher() = default;
+  /// The range to prefetch: `bytes` from `data` (nothing when bytes <= 0).
+  Prefetcher(const void* data, Index bytes)
+      : next(static_cast<const char*>(data)),
+        end(data == nullptr || bytes <= 0 ? next : next + bytes) {}
+
+  /// Spreads what is left over `steps` calls of step().
+  void plan(Index steps) {
+    const Index lines = (end - next + kLine - 1) / kLine;
+    steps = std::max<Index>(steps, 1);
+    if (lines >= steps) {
+      lines_per_step = (lines + steps - 1) / steps;
+      period = 1;
+    } else {
+      lines_per_step = 1;
+      period = lines > 0 ? steps / lines : steps;
+    }
+    countdown = period;
+  }
+  void step() {
+    if (next >= end || --countdown > 0) return;
+    countdown = period;
+    for (Index k = 0; k < lines_per_step && next < end; ++k, next += kLine) prefetch_line(next);
+  }
+  /// Whatever step() has not reached yet.
+  void finish() {
+    for (; next < end; next += kLine) prefetch_line(next);
+  }
+};
+
+}  // namespace kvattn::detail
