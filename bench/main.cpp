@@ -98,6 +98,8 @@
 
 #include <Eigen/Core>
 
+#include <kvattn/core/simd.hpp>
+
 #include "bench_util.hpp"
 
 int main(int argc, char** argv) {
@@ -119,6 +121,9 @@ int main(int argc, char** argv) {
   // EIGEN_DONT_PARALLELIZE), and the references and limits say their thread counts.
   Eigen::setNbThreads(1);
   benchmark::Initialize(&argc, argv);
+  // The vector instruction set kvattn's kernels were compiled for (core/simd.hpp): the
+  // report names it, as numbers from different ISAs are not comparable.
+  benchmark::AddCustomContext("simd_level", kvattn::simd_level());
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   kvb::register_gqa();
   kvb::register_mla();
