@@ -187,18 +187,21 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
 // One accumulate block: acc rows [0, M) x D packets of columns (acc row stride
 // acc_stride, w row stride ld, both already offset to the block) over tokens
 // [t_begin, t_end) of v (already offset to the block's first column); row m reads
-// v + m * seg when Segmented. skip > 0 (with D == 1): the overlapping last packet of a
-// row, its first `skip` lanes zeroed.
+// v + m * seg when Segmented. Packet d sits at column d * P, except the last one, at
+// column `last`: the overlapping tail packet of a row when skip > 0 (its first `skip`
+// lanes zeroed), so a tail shares a block with full packets instead of running alone
+// with too few independent accumulators (LRKV's r = 54: 6 packets + the tail).
 template <class T, class S, int M, int D, bool Segmented>
 inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, Index seg,
-                             Index t_begin, Index t_end, T* acc, Index acc_stride, Index skip,
-                             Prefetcher* prefetch) {
+                             Index t_begin, Index t_end, T* acc, Index acc_stride, Index last,
+                             Index skip, Prefetcher* prefetch) {
   constexpr Index P = packet_size<T>;
+  auto column = [last](int d) { return d == D - 1 ? last : d * P; };
   Packet<T> a[M][D];
   KVATTN_UNROLL
   for (int m = 0; m < M; ++m) {
     KVATTN_UNROLL
-    for (int d = 0; d < D; ++d) a[m][d] = ei::ploadu<Packet<T>>(acc + m * acc_stride + d * P);
+    for (int d = 0; d < D; ++d) a[m][d] = ei::ploadu<Packet<T>>(acc + m * acc_stride + column(d));
   }
   for (Index t = t_begin; t < t_end; ++t) {
     if (prefetch != nullptr) prefetch->step();
@@ -209,8 +212,8 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
         const Packet<T> weight = ei::pset1<Packet<T>>(w[m * ld + t]);
         KVATTN_UNROLL
         for (int d = 0; d < D; ++d) {
-          Packet<T> vp = load_widened<T>(vt + m * seg + d * P);
-          if (D == 1 && skip > 0) vp = zero_first<T>(vp, skip);
+          Packet<T> vp = load_widened<T>(vt + m * seg + column(d));
+          if (d == D - 1 && skip > 0) vp = zero_first<T>(vp, skip);
           a[m][d] = ei::pmadd(weight, vp, a[m][d]);
         }
       }
@@ -221,71 +224,73 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
       // One value packet live at a time, used by every row (M + 1 + M * D registers).
       KVATTN_UNROLL
       for (int d = 0; d < D; ++d) {
-        Packet<T> vp = load_widened<T>(vt + d * P);
-        if (D == 1 && skip > 0) vp = zero_first<T>(vp, skip);
+        Packet<T> vp = load_widened<T>(vt + column(d));
+        if (d == D - 1 && skip > 0) vp = zero_first<T>(vp, skip);
         if constexpr (M > 1) keep_in_register(vp);
         KVATTN_UNROLL
         for (int m = 0; m < M; ++m) a[m][d] = ei::pmadd(weight[m], vp, a[m][d]);
       }
     }
   }
+  // The last packet first: when it is an overlapping tail, its repeated lanes hold the
+  // accumulators as loaded, and the previous packet's store must win there.
   KVATTN_UNROLL
   for (int m = 0; m < M; ++m) {
+    ei::pstoreu(acc + m * acc_stride + column(D - 1), a[m][D - 1]);
     KVATTN_UNROLL
-    for (int d = 0; d < D; ++d) ei::pstoreu(acc + m * acc_stride + d * P, a[m][d]);
+    for (int d = 0; d < D - 1; ++d) ei::pstoreu(acc + m * acc_stride + column(d), a[m][d]);
   }
 }
 
 // accumulate_block with a run-time D in [1, Dmax] (the compile-time widths it dispatches to).
 template <class T, class S, int M, bool Segmented, int Dmax>
 inline void accumulate_block_n(int D, const T* w, Index ld, const S* v, Index v_stride, Index seg,
-                               Index t_begin, Index t_end, T* acc, Index acc_stride,
-                               Prefetcher* prefetch) {
+                               Index t_begin, Index t_end, T* acc, Index acc_stride, Index last,
+                               Index skip, Prefetcher* prefetch) {
   if constexpr (Dmax >= 1) {
     if (D == Dmax) {
       accumulate_block<T, S, M, Dmax, Segmented>(w, ld, v, v_stride, seg, t_begin, t_end, acc,
-                                                 acc_stride, 0, prefetch);
+                                                 acc_stride, last, skip, prefetch);
     } else {
       accumulate_block_n<T, S, M, Segmented, Dmax - 1>(D, w, ld, v, v_stride, seg, t_begin, t_end,
-                                                       acc, acc_stride, prefetch);
+                                                       acc, acc_stride, last, skip, prefetch);
     }
   }
 }
 
-// Column blocks accumulate_span cuts dv into (Prefetcher::plan): equal widths of at
-// most Dmax packets, and the overlapping tail packet.
+// Column blocks accumulate_span cuts dv (>= P) into: the packets of a row (the
+// overlapping tail one included) in blocks of equal width, at most
+// kBlockAccumulators / M, so no block is left with too few independent accumulators to
+// cover the FMA latency.
 template <class T>
 inline Index accumulate_column_blocks(int M, Index dv) {
   constexpr Index P = packet_size<T>;
+  const Index packets = (dv + P - 1) / P;
   const Index Dmax = kBlockAccumulators / M;
-  const Index packets = dv / P;
-  const Index blocks = (packets + Dmax - 1) / Dmax;
-  return blocks + (dv % P != 0 ? 1 : 0);
+  return (packets + Dmax - 1) / Dmax;
 }
 
-// Every column of rows [0, M) over tokens [t_begin, t_end): blocks of about equal
-// width (at most kBlockAccumulators / M packets, so no block is left with too few
-// independent accumulators to cover the FMA latency), then the tail packet.
+// Every column of rows [0, M) over tokens [t_begin, t_end).
 template <class T, class S, int M, bool Segmented>
 inline void accumulate_span(const T* w, Index ld, const S* v, Index v_stride, Index seg, Index dv,
                             Index t_begin, Index t_end, T* acc, Index acc_stride,
                             Prefetcher* prefetch) {
   constexpr Index P = packet_size<T>;
   constexpr int Dmax = kBlockAccumulators / M;
-  const Index packets = dv / P;
-  const Index blocks = (packets + Dmax - 1) / Dmax;
-  const Index width = blocks > 0 ? (packets + blocks - 1) / blocks : 0;
+  const Index packets = (dv + P - 1) / P;  // the last one overlaps when P does not divide dv
+  const Index blocks = accumulate_column_blocks<T>(M, dv);
+  const Index width = (packets + blocks - 1) / blocks;
   Index d0 = 0;
   for (Index left = packets; left > 0;) {
     const int D = static_cast<int>(std::min(width, left));
-    accumulate_block_n<T, S, M, Segmented, Dmax>(D, w, ld, v + d0, v_stride, seg, t_begin, t_end,
-                                                 acc + d0, acc_stride, prefetch);
-    d0 += D * P;
     left -= D;
-  }
-  if (d0 < dv) {  // dv >= P: the last packet overlaps the previous one
-    accumulate_block<T, S, M, 1, Segmented>(w, ld, v + dv - P, v_stride, seg, t_begin, t_end,
-                                            acc + dv - P, acc_stride, P - (dv - d0), prefetch);
+    // The block's last packet: the row's overlapping tail in the final block.
+    const bool tail = left == 0 && dv % P != 0;
+    const Index last = tail ? dv - P - d0 : (D - 1) * P;
+    const Index skip = tail ? P - dv % P : 0;
+    accumulate_block_n<T, S, M, Segmented, Dmax>(D, w, ld, v + d0, v_stride, seg, t_begin, t_end,
+                                                 acc + d0, acc_stride, last, skip, prefetch);
+    d0 += D * P;
   }
 }
 
