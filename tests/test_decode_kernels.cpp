@@ -144,6 +144,31 @@ TEST_CASE("score_rows equals a plain loop at awkward sizes", "[kernels]") {
   }
 }
 
+TEST_CASE("score_rows with a second, per-row dot product (LRKV's residual)", "[kernels]") {
+  for (const Index dk : {3, 128}) {
+    for (const Index dk2 : {1, 54, 59}) {
+      for (const Index G : {1, 3, 32}) {
+        const Index n = 17, seg2 = dk2 + 1, k_stride = dk + G * seg2 + 2, ld = n + 1;
+        const auto q = random_values<float>(G * dk, 31);
+        const auto q2 = random_values<float>(G * dk2, 32);
+        const auto k = random_values<float>(n * k_stride, 33);
+        std::vector<float> got(static_cast<std::size_t>(G * ld), 7.0f);
+        std::vector<float> want = got;
+        const detail::SecondDot<float> second{q2.data(), dk2, dk2, dk, seg2};
+        detail::score_rows(q.data(), dk, G, dk, k.data(), k_stride, 0, n, got.data(), ld, false,
+                           nullptr, &second);
+        detail::score_rows(q.data(), dk, G, dk, k.data(), k_stride, 0, n, want.data(), ld, false);
+        detail::score_rows(q2.data(), dk2, G, dk2, k.data() + dk, k_stride, seg2, n, want.data(),
+                           ld, true);
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          CAPTURE(dk, dk2, G, i);
+          REQUIRE(got[i] == Approx(want[i]).epsilon(1e-5).margin(1e-5));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("accumulate_rows equals a plain loop at awkward sizes", "[kernels]") {
   for (const Index dv : kSizes) {
     for (const Index G : {1, 2, 3, 5, 32}) {

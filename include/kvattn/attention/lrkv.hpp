@@ -427,16 +427,12 @@ class LrkvLayer {
 
     void score(Index, Index first, Index n, T* logits, Index ld) const {
       const S* rows = cache.key_row(first);
-      auto [values_a, values_b] =
-          halves(cache.value_row(first), n * value_width * Index{sizeof(S)}, rank > 0 ? 0.6 : 1.0);
-      // q_h . k~_s,t for every head against the shared key (rows read by all heads) ...
+      detail::Prefetcher values(cache.value_row(first), n * value_width * Index{sizeof(S)});
+      // q_h . k~_s,t for every head against the shared key (rows read by all heads) + q~_h .
+      // r~_h,t, head h reading its own slice (seg = r), in the same register blocks ...
+      const detail::SecondDot<T> residual{query_latent, rank, rank, head_dim, rank};
       detail::score_rows(query, head_dim, heads, head_dim, rows, key_width, 0, n, logits, ld, false,
-                         &values_a);
-      // ... + q~_h . r~_h,t, head h reading its own slice (seg = r) ...
-      if (rank > 0) {
-        detail::score_rows(query_latent, rank, heads, rank, rows + head_dim, key_width, rank, n,
-                           logits, ld, true, &values_b);
-      }
+                         &values, rank > 0 ? &residual : nullptr);
       // ... / rho_h,t ...
       if (key_norm) {
         for (Index t = 0; t < n; ++t) {

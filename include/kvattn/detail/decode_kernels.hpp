@@ -46,6 +46,20 @@ constexpr int block_rows(Index left) {
   return static_cast<int>(std::min(left, most) >= 4 ? 4 : (std::min(left, most) >= 2 ? 2 : 1));
 }
 
+/// A second dot product added into the same logits by score_rows: query row i's
+/// q + i * q_stride (dk wide) against the columns offset + i * seg of every cached row
+/// (LRKV's residual q~_h . r~_h,t beside the shared q_h . k~_s,t). One register block
+/// then carries both parts and is reduced once, and each row's residual slice is read
+/// right after its shared part, keeping the tile's reading order front to back.
+template <class T>
+struct SecondDot {
+  const T* q = nullptr;
+  Index q_stride = 0;
+  Index dk = 0;
+  Index offset = 0;
+  Index seg = 0;
+};
+
 namespace kernels {
 
 // One score block: rows [0, M) of q (row stride q_stride, dk wide, dk >= P) against B
@@ -60,7 +74,7 @@ namespace kernels {
 template <class T, class S, int M, int B, bool Segmented>
 inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index k_stride, Index seg,
                         Index t0, Index span, Index n, T* out, Index ld, bool add,
-                        Prefetcher* prefetch) {
+                        Prefetcher* prefetch, const SecondDot<T>* second) {
   constexpr Index P = packet_size<T>;
   constexpr int A = M * B;
   constexpr int R = static_cast<int>((A + P - 1) / P);  // packets of sums
@@ -100,6 +114,29 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
   for (Index j = 0; j < full; j += P) step(j, 0);
   // The overlapping last packet, its repeated lanes zeroed in both operands.
   if (full < dk) step(dk - P, P - (dk - full));
+  if (second != nullptr && second->dk >= P) {
+    // Row m's own slice of each cached row, into the same accumulators.
+    auto step2 = [&](Index j, Index skip) {
+      Packet<T> qp[M];
+      KVATTN_UNROLL
+      for (int m = 0; m < M; ++m) {
+        qp[m] = ei::ploadu<Packet<T>>(second->q + m * second->q_stride + j);
+        if (skip > 0) qp[m] = zero_first<T>(qp[m], skip);
+      }
+      KVATTN_UNROLL
+      for (int b = 0; b < B; ++b) {
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) {
+          Packet<T> kp = load_widened<T>(row[b] + second->offset + m * second->seg + j);
+          if (skip > 0) kp = zero_first<T>(kp, skip);
+          acc[m * B + b] = ei::pmadd(qp[m], kp, acc[m * B + b]);
+        }
+      }
+    };
+    const Index dk2 = second->dk, full2 = dk2 / P * P;
+    for (Index j = 0; j < full2; j += P) step2(j, 0);
+    if (full2 < dk2) step2(dk2 - P, P - (dk2 - full2));
+  }
   alignas(64) T lanes[R * P];
   KVATTN_UNROLL
   for (int r = 0; r < R; ++r) ei::pstore(lanes + r * P, sum_lanes<T>(acc + r * P));
@@ -124,21 +161,28 @@ constexpr int score_lanes(Index G) { return kBlockAccumulators / block_rows(G); 
 template <class T, class S, bool Segmented, int B>
 inline void score_step(int M, const T* q, Index q_stride, Index dk, const S* k, Index k_stride,
                        Index seg, Index i0, Index i, Index span, Index n, T* logits, Index ld,
-                       bool add, Prefetcher* prefetch) {
+                       bool add, Prefetcher* prefetch, const SecondDot<T>* second) {
   const T* qi = q + i0 * q_stride;
   const S* ki = Segmented ? k + i0 * seg : k;
   T* out = logits + i0 * ld + i;
+  SecondDot<T> chunk;  // the second dot's rows [i0, i0 + M)
+  if (second != nullptr) {
+    chunk = *second;
+    chunk.q += i0 * chunk.q_stride;
+    chunk.offset += i0 * chunk.seg;
+  }
+  const SecondDot<T>* sd = second != nullptr ? &chunk : nullptr;
   if (M == 4) {
     if constexpr (4 * B <= kBlockAccumulators)
       score_block<T, S, 4, B, Segmented>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld,
-                                         add, prefetch);
+                                         add, prefetch, sd);
   } else if (M == 2) {
     if constexpr (2 * B <= kBlockAccumulators)
       score_block<T, S, 2, B, Segmented>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld,
-                                         add, prefetch);
+                                         add, prefetch, sd);
   } else {
     score_block<T, S, 1, B, Segmented>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld,
-                                       add, prefetch);
+                                       add, prefetch, sd);
   }
 }
 
@@ -148,17 +192,19 @@ inline void score_step(int M, const T* q, Index q_stride, Index dk, const S* k, 
 // 128 x 576, may stream from L2.)
 template <class T, class S, bool Segmented, int B>
 void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
-                      Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch) {
+                      Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch,
+                      const SecondDot<T>* second) {
   constexpr Index P = packet_size<T>;
   const Index span = (n + B - 1) / B;
   Index chunks = 0;
   for (Index i0 = 0; i0 < G; i0 += block_rows(G - i0)) ++chunks;
-  if (prefetch != nullptr) prefetch->plan(chunks * span * ((dk + P - 1) / P));
+  const Index dk2 = second != nullptr ? second->dk : 0;
+  if (prefetch != nullptr) prefetch->plan(chunks * span * ((dk + P - 1) / P + (dk2 + P - 1) / P));
   for (Index i = 0; i < span; ++i) {
     for (Index i0 = 0; i0 < G;) {
       const int M = block_rows(G - i0);
       score_step<T, S, Segmented, B>(M, q, q_stride, dk, k, k_stride, seg, i0, i, span, n, logits,
-                                     ld, add, prefetch);
+                                     ld, add, prefetch, second);
       i0 += M;
     }
   }
@@ -166,20 +212,21 @@ void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k,
 
 template <class T, class S, bool Segmented>
 void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
-                Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch) {
+                Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch,
+                const SecondDot<T>* second) {
   constexpr int B4 = kBlockAccumulators / 4, B2 = kBlockAccumulators / 2, B1 = kBlockAccumulators;
   switch (score_lanes(G)) {
     case B4:
       score_rows_lanes<T, S, Segmented, B4>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld,
-                                            add, prefetch);
+                                            add, prefetch, second);
       break;
     case B2:
       score_rows_lanes<T, S, Segmented, B2>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld,
-                                            add, prefetch);
+                                            add, prefetch, second);
       break;
     default:
       score_rows_lanes<T, S, Segmented, B1>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld,
-                                            add, prefetch);
+                                            add, prefetch, second);
       break;
   }
 }
@@ -332,13 +379,23 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
 /// logits[i * ld + t] (+)= q_i . k_t,i for i < G, t < n: q_i = q + i * q_stride (dk
 /// wide), k_t,i = k + t * k_stride + i * seg (storage S; seg = 0: every row reads the
 /// same keys). With `add` the logits are added to. `prefetch` (optional) is stepped
-/// along the way (see Prefetcher) and finished at the end.
+/// along the way (see Prefetcher) and finished at the end. `second` (optional) adds a
+/// second, per-row dot product into the same logits (see SecondDot).
 ///
 template <class T, class S>
 void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
-                Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch = nullptr) {
+                Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch = nullptr,
+                const SecondDot<T>* second = nullptr) {
+  constexpr Index P = packet_size<T>;
+  if (second != nullptr && (dk < P || second->dk < P || seg != 0)) {
+    // Narrow parts: the two dot products one after the other.
+    score_rows(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add, prefetch);
+    score_rows(second->q, second->q_stride, G, second->dk, k + second->offset, k_stride,
+               second->seg, n, logits, ld, true);
+    return;
+  }
   if (n > 0 && G > 0) {
-    if (dk < packet_size<T>) {  // too narrow for a packet: plain dot products
+    if (dk < P) {  // too narrow for a packet: plain dot products
       for (Index i = 0; i < G; ++i) {
         for (Index t = 0; t < n; ++t) {
           const S* kt = k + t * k_stride + i * seg;
@@ -350,10 +407,10 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
       }
     } else if (seg != 0) {
       kernels::score_rows<T, S, true>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
-                                      prefetch);
+                                      prefetch, nullptr);
     } else {
       kernels::score_rows<T, S, false>(q, q_stride, G, dk, k, k_stride, 0, n, logits, ld, add,
-                                       prefetch);
+                                       prefetch, second);
     }
   }
   if (prefetch != nullptr) prefetch->finish();
