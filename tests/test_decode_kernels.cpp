@@ -16,9 +16,16 @@
 #include <string>
 #include <vector>
 
+#include "kvattn/attention/gqa.hpp"
+#include "kvattn/attention/lrkv.hpp"
+#include "kvattn/attention/mla.hpp"
 #include "kvattn/core/simd.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/split_attention.hpp"
+#include "kvattn/reference/gqa.hpp"
+#include "kvattn/reference/lrkv.hpp"
+#include "kvattn/reference/mla.hpp"
+#include "test_util.hpp"
 
 using namespace kvattn;
 
@@ -354,4 +361,70 @@ TEST_CASE("Prefetcher stays inside its range and spreads it over the planned ste
   none.step();
   none.finish();
   CHECK(none.next == none.end);
+}
+
+namespace {
+
+// attend through each mechanism's decode ops equals the reference step on the same
+// cache (the rows as stored, widened): float compute, so a float tolerance.
+template <class S, class Layer, class Fill>
+void check_layer(const Layer& layer, Index length, Fill fill) {
+  auto cache = layer.template make_cache<S>();
+  fill(cache, length);
+  const RowMatrix<float> query = test::random_input<float>(1, layer.query_width(), 41);
+  RowMatrix<float> heads(1, layer.heads_width());
+  auto ws = layer.make_workspace(Threads{2});
+  for (const Threads threads : {Threads{1}, Threads{2}}) {
+    layer.attend(query, cache, heads, ws, threads);
+    const RowMatrix<float> want = reference::decode_step(layer, cache, query);
+    CAPTURE(length, threads.count, sizeof(S));
+    CHECK(test::relative_error(heads, want) <= 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("Every mechanism's decode ops equal the reference step (fp32, bf16)", "[kernels]") {
+  const RopeConfig rope{RopeLayout::half_split, 10000.0, 3};
+  auto fill_gqa = [](auto& cache, Index n) {
+    const Index w = cache.config().n_kv_heads * cache.config().head_dim;
+    cache.append(test::random_input<float>(n, w, 1), test::random_input<float>(n, w, 2));
+  };
+  auto fill_mla = [](auto& cache, Index n) {
+    const auto& c = cache.config();
+    cache.append(test::random_input<float>(n, c.kv_rank, 3),
+                 test::random_input<float>(n, c.rope_dim, 4));
+  };
+  auto fill_lrkv = [](auto& cache, Index n) {
+    const auto& c = cache.config();
+    const Index hr = c.n_heads * c.rank;
+    const RowMatrix<float> rms = RowMatrix<float>::Constant(n, c.key_norm ? c.n_heads : 0, 0.9f);
+    cache.append({test::random_input<float>(n, c.head_dim, 5),
+                  test::random_input<float>(n, c.head_dim, 6), test::random_input<float>(n, hr, 7),
+                  test::random_input<float>(n, hr, 8),
+                  test::random_input<float>(n, c.decoupled_dim(), 9), rms});
+  };
+  MlaConfig mla;
+  mla.d_model = 48;
+  mla.n_heads = 5;
+  mla.kv_rank = 59;
+  mla.q_rank = 0;
+  mla.qk_nope_dim = 16;
+  mla.rope_dim = 16;
+  mla.v_dim = 12;
+  LrkvConfig lrkv{48, 5, 64, 54, LrkvRopeMode::shared, rope};
+  lrkv.key_norm = true;
+  const auto gqa_layer = GqaLayer<float>::random(gqa_config(96, 6, 40, 2, rope), 1);
+  const auto mha_layer = GqaLayer<float>::random(mha_config(99, 3, 33), 2);
+  const auto mla_layer = MlaLayer<float>::random(mla, 3);
+  const auto lrkv_layer = LrkvLayer<float>::random(lrkv, 4, 0.5);
+  for (const Index length : {1, 37, 700}) {
+    check_layer<float>(gqa_layer, length, fill_gqa);
+    check_layer<Eigen::bfloat16>(gqa_layer, length, fill_gqa);
+    check_layer<float>(mha_layer, length, fill_gqa);
+    check_layer<float>(mla_layer, length, fill_mla);
+    check_layer<Eigen::bfloat16>(mla_layer, length, fill_mla);
+    check_layer<float>(lrkv_layer, length, fill_lrkv);
+    check_layer<Eigen::bfloat16>(lrkv_layer, length, fill_lrkv);
+  }
 }

@@ -46,7 +46,13 @@ inline Packet<T> load_widened(const S* from) {
 #if defined(EIGEN_VECTORIZE_AVX512)
     if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
                   packet_size<T> == 16) {
-      return ei::pcast<ei::Packet16bf, ei::Packet16f>(ei::ploadu<ei::Packet16bf>(from));
+      // bf16 is the top half of an fp32: zero-extend to 32 bits, shift up. The zero-
+      // masking forms, because GCC 12's unmasked _mm512_cvtepu16_epi32 / _mm512_slli_epi32
+      // (which Eigen's pcast uses) pass an undefined vector through and warn about it
+      // (-Wmaybe-uninitialized, GCC bug 105593) in every function that inlines them.
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+      return _mm512_castsi512_ps(
+          _mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, raw), 16));
     }
 #elif defined(EIGEN_VECTORIZE_AVX)
     if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
