@@ -238,12 +238,18 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
 // column `last`: the overlapping tail packet of a row when skip > 0 (its first `skip`
 // lanes zeroed), so a tail shares a block with full packets instead of running alone
 // with too few independent accumulators (LRKV's r = 54: 6 packets + the tail).
-template <class T, class S, int M, int D, bool Segmented>
+template <class T, class S, int M, int D, bool Segmented, bool Tail>
 inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, Index seg,
                              Index t_begin, Index t_end, T* acc, Index acc_stride, Index last,
                              Index skip, Prefetcher* prefetch) {
   constexpr Index P = packet_size<T>;
-  auto column = [last](int d) { return d == D - 1 ? last : d * P; };
+  // Column of packet d (a compile-time offset but for a tail packet).
+  auto column = [last](int d) { return Tail && d == D - 1 ? last : d * P; };
+  // The tail's repeated lanes, cleared with one and-not per token.
+  Packet<T> repeated = ei::pset1<Packet<T>>(T(0));
+  if constexpr (Tail) {
+    repeated = ei::pcmp_lt(ei::plset<Packet<T>>(T(0)), ei::pset1<Packet<T>>(static_cast<T>(skip)));
+  }
   Packet<T> a[M][D];
   KVATTN_UNROLL
   for (int m = 0; m < M; ++m) {
@@ -260,7 +266,9 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
         KVATTN_UNROLL
         for (int d = 0; d < D; ++d) {
           Packet<T> vp = load_widened<T>(vt + m * seg + column(d));
-          if (d == D - 1 && skip > 0) vp = zero_first<T>(vp, skip);
+          if constexpr (Tail) {
+            if (d == D - 1) vp = ei::pandnot(vp, repeated);
+          }
           a[m][d] = ei::pmadd(weight, vp, a[m][d]);
         }
       }
@@ -272,7 +280,9 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
       KVATTN_UNROLL
       for (int d = 0; d < D; ++d) {
         Packet<T> vp = load_widened<T>(vt + column(d));
-        if (d == D - 1 && skip > 0) vp = zero_first<T>(vp, skip);
+        if constexpr (Tail) {
+          if (d == D - 1) vp = ei::pandnot(vp, repeated);
+        }
         if constexpr (M > 1) keep_in_register(vp);
         KVATTN_UNROLL
         for (int m = 0; m < M; ++m) a[m][d] = ei::pmadd(weight[m], vp, a[m][d]);
@@ -289,15 +299,21 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
   }
 }
 
-// accumulate_block with a run-time D in [1, Dmax] (the compile-time widths it dispatches to).
+// accumulate_block with a run-time D in [1, Dmax] (the compile-time widths it dispatches
+// to); skip > 0 makes packet D - 1 an overlapping tail at column `last`.
 template <class T, class S, int M, bool Segmented, int Dmax>
 inline void accumulate_block_n(int D, const T* w, Index ld, const S* v, Index v_stride, Index seg,
                                Index t_begin, Index t_end, T* acc, Index acc_stride, Index last,
                                Index skip, Prefetcher* prefetch) {
   if constexpr (Dmax >= 1) {
     if (D == Dmax) {
-      accumulate_block<T, S, M, Dmax, Segmented>(w, ld, v, v_stride, seg, t_begin, t_end, acc,
-                                                 acc_stride, last, skip, prefetch);
+      if (skip > 0) {
+        accumulate_block<T, S, M, Dmax, Segmented, true>(w, ld, v, v_stride, seg, t_begin, t_end,
+                                                         acc, acc_stride, last, skip, prefetch);
+      } else {
+        accumulate_block<T, S, M, Dmax, Segmented, false>(w, ld, v, v_stride, seg, t_begin, t_end,
+                                                          acc, acc_stride, last, 0, prefetch);
+      }
     } else {
       accumulate_block_n<T, S, M, Segmented, Dmax - 1>(D, w, ld, v, v_stride, seg, t_begin, t_end,
                                                        acc, acc_stride, last, skip, prefetch);
