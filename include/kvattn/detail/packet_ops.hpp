@@ -165,7 +165,7 @@ inline T softmax_exp(T x) {
 
 /// Asks for the cache line at p to be brought into the cache hierarchy (a hint: no
 /// fault, no effect on results).
-inline void prefetch_line(const void* p) {
+EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
 #if defined(__GNUC__) || defined(__clang__)
   __builtin_prefetch(p, 0, 3);
 #else
@@ -214,7 +214,9 @@ struct Prefetcher {
     }
     countdown = period;
   }
-  void step() {
+  // Forced inline: it sits in the kernels' inner loops, where GCC otherwise sometimes
+  // leaves it a call per token (measured: MHA 0.92 -> 0.83 of the read bandwidth).
+  EIGEN_ALWAYS_INLINE void step() {
     if (next >= end || --countdown > 0) return;
     countdown = period;
     for (Index k = 0; k < lines_per_step && next < end; ++k, next += kLine) prefetch_line(next);
