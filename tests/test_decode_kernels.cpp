@@ -176,6 +176,48 @@ TEST_CASE("score_rows with a second, per-row dot product (LRKV's residual)", "[k
   }
 }
 
+TEST_CASE("bf16 rows read in pairs: paired queries and accumulators", "[kernels]") {
+  // Only where the build has the paired path (AVX2); elsewhere paired_rows is false and
+  // the kernels never see paired operands.
+  for (const Index width : {16, 128, 576}) {
+    if (!detail::paired_rows<float, Eigen::bfloat16>(width)) {
+      WARN("no paired bf16 path in this build (" << simd_level() << ")");
+      return;
+    }
+    for (const Index G : {1, 3, 16}) {
+      const Index n = 29, ld = n + 3, stride = width + 16;
+      const auto q = random_values<float>(G * width, 51);
+      const auto k = random_values<Eigen::bfloat16>(n * stride, 52);
+      const auto w = random_values<float>(G * ld, 53);
+      // Score: paired queries against the same rows give the same logits.
+      auto q_paired = q;
+      for (Index i = 0; i < G; ++i) detail::to_paired(q_paired.data() + i * width, width);
+      std::vector<float> got(static_cast<std::size_t>(G * ld)), want(got.size());
+      detail::score_rows(q_paired.data(), width, G, width, k.data(), stride, 0, n, got.data(), ld,
+                         false, nullptr, nullptr, true);
+      detail::score_rows(q.data(), width, G, width, k.data(), stride, 0, n, want.data(), ld, false);
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        CAPTURE(width, G, i);
+        REQUIRE(got[i] == Approx(want[i]).epsilon(1e-5).margin(1e-4));
+      }
+      // Accumulate: a paired accumulator, put back in order, equals the plain one.
+      std::vector<float> acc(static_cast<std::size_t>(G * width), 0.5f), plain = acc;
+      for (Index i = 0; i < G; ++i) detail::to_paired(acc.data() + i * width, width);
+      for (const Index block : {Index{0}, Index{16}}) {
+        detail::accumulate_rows(w.data(), ld, G, k.data(), stride, 0, width, n, acc.data(), width,
+                                block, nullptr, true);
+        detail::accumulate_rows(w.data(), ld, G, k.data(), stride, 0, width, n, plain.data(), width,
+                                block);
+      }
+      for (Index i = 0; i < G; ++i) detail::from_paired(acc.data() + i * width, width);
+      for (std::size_t i = 0; i < acc.size(); ++i) {
+        CAPTURE(width, G, i);
+        REQUIRE(acc[i] == Approx(plain[i]).epsilon(1e-5).margin(1e-4));
+      }
+    }
+  }
+}
+
 TEST_CASE("accumulate_rows equals a plain loop at awkward sizes", "[kernels]") {
   for (const Index dv : kSizes) {
     for (const Index G : {1, 2, 3, 5, 32}) {
@@ -384,6 +426,13 @@ void check_layer(const Layer& layer, Index length, Fill fill) {
 
 }  // namespace
 
+namespace {
+const GqaLayer<float>& gqa_layer16() {  // 3 query rows per KV head of 32
+  static const auto layer = GqaLayer<float>::random(gqa_config(96, 6, 32, 2), 7);
+  return layer;
+}
+}  // namespace
+
 TEST_CASE("Every mechanism's decode ops equal the reference step (fp32, bf16)", "[kernels]") {
   const RopeConfig rope{RopeLayout::half_split, 10000.0, 3};
   auto fill_gqa = [](auto& cache, Index n) {
@@ -417,6 +466,11 @@ TEST_CASE("Every mechanism's decode ops equal the reference step (fp32, bf16)", 
   const auto gqa_layer = GqaLayer<float>::random(gqa_config(96, 6, 40, 2, rope), 1);
   const auto mha_layer = GqaLayer<float>::random(mha_config(99, 3, 33), 2);
   const auto mla_layer = MlaLayer<float>::random(mla, 3);
+  MlaConfig mla16 = mla;  // d_c a multiple of 16: bf16 latents summed in pairs (AVX2)
+  mla16.kv_rank = 64;
+  const auto mla16_layer = MlaLayer<float>::random(mla16, 5);
+  // d_h a multiple of 16, one query row per group: bf16 rows scored in pairs too.
+  const auto mha16_layer = GqaLayer<float>::random(mha_config(96, 2, 48, rope), 6);
   const auto lrkv_layer = LrkvLayer<float>::random(lrkv, 4, 0.5);
   for (const Index length : {1, 37, 700}) {
     check_layer<float>(gqa_layer, length, fill_gqa);
@@ -424,6 +478,9 @@ TEST_CASE("Every mechanism's decode ops equal the reference step (fp32, bf16)", 
     check_layer<float>(mha_layer, length, fill_gqa);
     check_layer<float>(mla_layer, length, fill_mla);
     check_layer<Eigen::bfloat16>(mla_layer, length, fill_mla);
+    check_layer<Eigen::bfloat16>(mla16_layer, length, fill_mla);
+    check_layer<Eigen::bfloat16>(mha16_layer, length, fill_gqa);
+    check_layer<Eigen::bfloat16>(gqa_layer16(), length, fill_gqa);
     check_layer<float>(lrkv_layer, length, fill_lrkv);
     check_layer<Eigen::bfloat16>(lrkv_layer, length, fill_lrkv);
   }

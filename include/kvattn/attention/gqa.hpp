@@ -400,6 +400,10 @@ class GqaLayer {
   // reads its tile in long sequential lanes the hardware prefetcher follows; the
   // accumulate pass reads rows in column pieces and prefetches its own stream ahead
   // (detail::Prefetcher).
+  //
+  // bf16 rows are read in pairs (detail::paired_rows) by the accumulate, and by the
+  // score when a group has one query row (MHA; with more rows the paired score measured
+  // no faster): the query is then in paired order, and the output is put back in order.
   template <class S>
   struct DecodeOps {
     const GqaCache<T, S>& cache;
@@ -407,9 +411,14 @@ class GqaLayer {
     Index group_size;
     Index head_dim;
 
+    static bool paired_score(Index group_size, Index head_dim) {
+      return group_size == 1 && detail::paired_rows<T, S>(head_dim);
+    }
+
     void score(Index group, Index first, Index n, T* logits, Index ld) const {
       detail::score_rows(query + group * group_size * head_dim, head_dim, group_size, head_dim,
-                         cache.key_row(group, first), head_dim, 0, n, logits, ld, false);
+                         cache.key_row(group, first), head_dim, 0, n, logits, ld, false, nullptr,
+                         nullptr, paired_score(group_size, head_dim));
     }
 
     void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc) const {
@@ -419,7 +428,8 @@ class GqaLayer {
       const Index end = std::min(cache.tokens(), first + n + ahead);
       detail::Prefetcher values(cache.value_row(group, begin), (end - begin) * row_bytes);
       detail::accumulate_rows(weights, ld, group_size, cache.value_row(group, first), head_dim, 0,
-                              head_dim, n, acc, head_dim, kTokenBlock, &values);
+                              head_dim, n, acc, head_dim, kTokenBlock, &values,
+                              detail::paired_rows<T, S>(head_dim));
     }
   };
 
@@ -436,8 +446,16 @@ class GqaLayer {
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
     rope_.rotate(ws.query.data(), position, config_.n_heads, config_.head_dim);
     ws.query *= scale_;
-    const DecodeOps<S> ops{cache, ws.query.data(), config_.group_size(), config_.head_dim};
+    const Index group = config_.group_size();
+    const Index dh = config_.head_dim;
+    if (DecodeOps<S>::paired_score(group, dh)) {
+      for (Index h = 0; h < config_.n_heads; ++h) detail::to_paired(ws.query.data() + h * dh, dh);
+    }
+    const DecodeOps<S> ops{cache, ws.query.data(), group, dh};
     detail::split_attention(plan, ws.split, ops, heads);
+    if (detail::paired_rows<T, S>(dh)) {
+      for (Index h = 0; h < config_.n_heads; ++h) detail::from_paired(heads + h * dh, dh);
+    }
   }
 
   GqaConfig config_;

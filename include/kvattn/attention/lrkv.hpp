@@ -453,8 +453,10 @@ class LrkvLayer {
       const Index ahead = std::max<Index>(0, std::min(n, cache.tokens() - first - n));
       auto [keys_a, keys_b] = halves(cache.key_row(first + n), ahead * key_width * Index{sizeof(S)},
                                      rank > 0 ? 0.6 : 1.0);
+      // (bf16 shared values are summed in pairs; attend_prepared restores the order.)
       detail::accumulate_rows(weights, ld, heads, rows, value_width, 0, head_dim, n, acc,
-                              acc_stride, kTokenBlock, &keys_a);
+                              acc_stride, kTokenBlock, &keys_a,
+                              detail::paired_rows<T, S>(head_dim));
       if (rank > 0) {
         detail::accumulate_rows(weights, ld, heads, rows + head_dim, value_width, rank, rank, n,
                                 acc + head_dim, acc_stride, kTokenBlock, &keys_b);
@@ -536,6 +538,9 @@ class LrkvLayer {
                            dh + H * r,
                            config_.key_norm};
     detail::split_attention(plan, ws.split, ops, ws.acc.data());
+    if (detail::paired_rows<T, S>(dh)) {  // bf16 shared values were summed in pairs
+      for (Index h = 0; h < H; ++h) detail::from_paired(ws.acc.row(h).data(), dh);
+    }
     // o_h = a_h V_s + (a_h R_h^V)(B_h^V)^T: one r x d_h product per head, independent of L.
     detail::parallel_for(H, threads, [&](Index h) {
       auto out = Eigen::Map<RowVector<T>>(heads + h * dh, dh);

@@ -467,7 +467,7 @@ class MlaLayer {
     void accumulate(Index, Index first, Index n, const T* weights, Index ld, T* acc) const {
       detail::Prefetcher next = next_tile(first, n, 1);
       detail::accumulate_rows(weights, ld, heads, cache.row_data(first), width, 0, kv_rank, n, acc,
-                              kv_rank, kTokenBlock, &next);
+                              kv_rank, kTokenBlock, &next, detail::paired_rows<T, S>(kv_rank));
     }
     // Value rows per accumulate block: the whole tile (0), so each register block of
     // accumulators is loaded and stored once per tile (kernel test at the V2-Lite shape:
@@ -494,6 +494,9 @@ class MlaLayer {
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
     const DecodeOps<S> ops{cache, ws.absorbed.data(), c.n_heads, dc, c.cache_elements_per_token()};
     detail::split_attention(plan, ws.split, ops, ws.latent_heads.data());
+    if (detail::paired_rows<T, S>(dc)) {  // bf16 latents were summed in pairs
+      for (Index h = 0; h < c.n_heads; ++h) detail::from_paired(ws.latent_heads.row(h).data(), dc);
+    }
     // 3. Up-project each head's latent output by its own W_UV_h: o_h = o-bar_h W_UV_h.
     detail::parallel_for(c.n_heads, threads, [&](Index h) {
       Eigen::Map<RowVector<T>>(heads + h * c.v_dim, c.v_dim).noalias() =

@@ -62,6 +62,13 @@ struct SecondDot {
 
 namespace kernels {
 
+// How query row i finds its columns in a cached row: all at the same offset (kShared),
+// at i * seg (kSegmented), or at the same offset with bf16 elements read 16 at a time
+// as an even and an odd packet (kPaired, packet_ops.hpp: load_bf16_pair).
+inline constexpr int kShared = 0;
+inline constexpr int kSegmented = 1;
+inline constexpr int kPaired = 2;
+
 // One score block: rows [0, M) of q (row stride q_stride, dk wide, dk >= P) against B
 // tokens of k: lane b takes token t0 + b * span (< n; lanes past n re-read the last
 // row, never memory past the tile, and their sums are dropped). Row m reads
@@ -71,10 +78,13 @@ namespace kernels {
 // tile (score_rows sets span = the tile / B): read side by side, B neighbouring rows
 // are B streams of one row each, too short for the hardware prefetchers, while B
 // stretches are B long sequential streams that they follow.
-template <class T, class S, int M, int B, bool Segmented>
+template <class T, class S, int M, int B, int Layout>
 inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index k_stride, Index seg,
                         Index t0, Index span, Index n, T* out, Index ld, bool add,
                         Prefetcher* prefetch, const SecondDot<T>* second) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
   constexpr int A = M * B;
   constexpr int R = static_cast<int>((A + P - 1) / P);  // packets of sums
@@ -110,10 +120,36 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
       }
     }
   };
-  const Index full = dk / P * P;
-  for (Index j = 0; j < full; j += P) step(j, 0);
-  // The overlapping last packet, its repeated lanes zeroed in both operands.
-  if (full < dk) step(dk - P, P - (dk - full));
+  if constexpr (Paired) {
+    // 16 bf16 elements per load, the even-indexed ones in one pass over the block's
+    // rows, the odd-indexed in a second (the reload hits L1), so that one key packet
+    // at a time is live (12 accumulators + M queries + 1).
+    if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8) {
+      for (Index j = 0; j < dk; j += 2 * P) {
+        KVATTN_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          if (prefetch != nullptr) prefetch->step();
+          Packet<T> qp[M];
+          KVATTN_UNROLL
+          for (int m = 0; m < M; ++m)
+            qp[m] = ei::ploadu<Packet<T>>(q + m * q_stride + j + half * P);
+          KVATTN_UNROLL
+          for (int b = 0; b < B; ++b) {
+            const __m256i raw = load_bf16_raw(row[b] + j);
+            Packet<T> kp = half == 0 ? bf16_even(raw) : bf16_odd(raw);
+            if constexpr (M > 1) keep_in_register(kp);
+            KVATTN_UNROLL
+            for (int m = 0; m < M; ++m) acc[m * B + b] = ei::pmadd(qp[m], kp, acc[m * B + b]);
+          }
+        }
+      }
+    }
+  } else {
+    const Index full = dk / P * P;
+    for (Index j = 0; j < full; j += P) step(j, 0);
+    // The overlapping last packet, its repeated lanes zeroed in both operands.
+    if (full < dk) step(dk - P, P - (dk - full));
+  }
   if (second != nullptr && second->dk >= P) {
     // Row m's own slice of each cached row, into the same accumulators.
     auto step2 = [&](Index j, Index skip) {
@@ -158,10 +194,13 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
 constexpr int score_lanes(Index G) { return kBlockAccumulators / block_rows(G); }
 
 // One block of rows [i0, i0 + M) at step i (tokens i, i + span, ...), B lanes.
-template <class T, class S, bool Segmented, int B>
+template <class T, class S, int Layout, int B>
 inline void score_step(int M, const T* q, Index q_stride, Index dk, const S* k, Index k_stride,
                        Index seg, Index i0, Index i, Index span, Index n, T* logits, Index ld,
                        bool add, Prefetcher* prefetch, const SecondDot<T>* second) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   const T* qi = q + i0 * q_stride;
   const S* ki = Segmented ? k + i0 * seg : k;
   T* out = logits + i0 * ld + i;
@@ -174,15 +213,15 @@ inline void score_step(int M, const T* q, Index q_stride, Index dk, const S* k, 
   const SecondDot<T>* sd = second != nullptr ? &chunk : nullptr;
   if (M == 4) {
     if constexpr (4 * B <= kBlockAccumulators)
-      score_block<T, S, 4, B, Segmented>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld,
-                                         add, prefetch, sd);
+      score_block<T, S, 4, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld, add,
+                                      prefetch, sd);
   } else if (M == 2) {
     if constexpr (2 * B <= kBlockAccumulators)
-      score_block<T, S, 2, B, Segmented>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld,
-                                         add, prefetch, sd);
+      score_block<T, S, 2, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld, add,
+                                      prefetch, sd);
   } else {
-    score_block<T, S, 1, B, Segmented>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld,
-                                       add, prefetch, sd);
+    score_block<T, S, 1, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld, add,
+                                    prefetch, sd);
   }
 }
 
@@ -190,10 +229,13 @@ inline void score_step(int M, const T* q, Index q_stride, Index dk, const S* k, 
 // every block of query rows from L1. (Per FMA a block loads 32 / M bytes of keys and
 // 32 / B of queries: the keys must be the operand in L1; the queries, up to MLA-V2's
 // 128 x 576, may stream from L2.)
-template <class T, class S, bool Segmented, int B>
+template <class T, class S, int Layout, int B>
 void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
                       Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch,
                       const SecondDot<T>* second) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
   const Index span = (n + B - 1) / B;
   Index chunks = 0;
@@ -203,30 +245,33 @@ void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k,
   for (Index i = 0; i < span; ++i) {
     for (Index i0 = 0; i0 < G;) {
       const int M = block_rows(G - i0);
-      score_step<T, S, Segmented, B>(M, q, q_stride, dk, k, k_stride, seg, i0, i, span, n, logits,
-                                     ld, add, prefetch, second);
+      score_step<T, S, Layout, B>(M, q, q_stride, dk, k, k_stride, seg, i0, i, span, n, logits, ld,
+                                  add, prefetch, second);
       i0 += M;
     }
   }
 }
 
-template <class T, class S, bool Segmented>
+template <class T, class S, int Layout>
 void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
                 Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch,
                 const SecondDot<T>* second) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   constexpr int B4 = kBlockAccumulators / 4, B2 = kBlockAccumulators / 2, B1 = kBlockAccumulators;
   switch (score_lanes(G)) {
     case B4:
-      score_rows_lanes<T, S, Segmented, B4>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld,
-                                            add, prefetch, second);
+      score_rows_lanes<T, S, Layout, B4>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
+                                         prefetch, second);
       break;
     case B2:
-      score_rows_lanes<T, S, Segmented, B2>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld,
-                                            add, prefetch, second);
+      score_rows_lanes<T, S, Layout, B2>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
+                                         prefetch, second);
       break;
     default:
-      score_rows_lanes<T, S, Segmented, B1>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld,
-                                            add, prefetch, second);
+      score_rows_lanes<T, S, Layout, B1>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
+                                         prefetch, second);
       break;
   }
 }
@@ -238,10 +283,13 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
 // column `last`: the overlapping tail packet of a row when skip > 0 (its first `skip`
 // lanes zeroed), so a tail shares a block with full packets instead of running alone
 // with too few independent accumulators (LRKV's r = 54: 6 packets + the tail).
-template <class T, class S, int M, int D, bool Segmented, bool Tail>
+template <class T, class S, int M, int D, int Layout, bool Tail>
 inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, Index seg,
                              Index t_begin, Index t_end, T* acc, Index acc_stride, Index last,
                              Index skip, Prefetcher* prefetch) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
   // Column of packet d (a compile-time offset but for a tail packet).
   auto column = [last](int d) { return Tail && d == D - 1 ? last : d * P; };
@@ -270,6 +318,26 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
             if (d == D - 1) vp = ei::pandnot(vp, repeated);
           }
           a[m][d] = ei::pmadd(weight, vp, a[m][d]);
+        }
+      }
+    } else if constexpr (Paired) {
+      // 16 bf16 columns per load: the even-indexed into packet d, the odd into d + 1
+      // (the accumulator row is in paired order; D is even).
+      if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8 && D % 2 == 0) {
+        Packet<T> weight[M];
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) weight[m] = ei::pset1<Packet<T>>(w[m * ld + t]);
+        KVATTN_UNROLL
+        for (int d = 0; d < D; d += 2) {
+          const __m256i raw = load_bf16_raw(vt + d * P);
+          Packet<T> even = bf16_even(raw);
+          if constexpr (M > 1) keep_in_register(even);
+          KVATTN_UNROLL
+          for (int m = 0; m < M; ++m) a[m][d] = ei::pmadd(weight[m], even, a[m][d]);
+          Packet<T> odd = bf16_odd(raw);
+          if constexpr (M > 1) keep_in_register(odd);
+          KVATTN_UNROLL
+          for (int m = 0; m < M; ++m) a[m][d + 1] = ei::pmadd(weight[m], odd, a[m][d + 1]);
         }
       }
     } else {
@@ -301,22 +369,25 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
 
 // accumulate_block with a run-time D in [1, Dmax] (the compile-time widths it dispatches
 // to); skip > 0 makes packet D - 1 an overlapping tail at column `last`.
-template <class T, class S, int M, bool Segmented, int Dmax>
+template <class T, class S, int M, int Layout, int Dmax>
 inline void accumulate_block_n(int D, const T* w, Index ld, const S* v, Index v_stride, Index seg,
                                Index t_begin, Index t_end, T* acc, Index acc_stride, Index last,
                                Index skip, Prefetcher* prefetch) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   if constexpr (Dmax >= 1) {
     if (D == Dmax) {
       if (skip > 0) {
-        accumulate_block<T, S, M, Dmax, Segmented, true>(w, ld, v, v_stride, seg, t_begin, t_end,
-                                                         acc, acc_stride, last, skip, prefetch);
+        accumulate_block<T, S, M, Dmax, Layout, true>(w, ld, v, v_stride, seg, t_begin, t_end, acc,
+                                                      acc_stride, last, skip, prefetch);
       } else {
-        accumulate_block<T, S, M, Dmax, Segmented, false>(w, ld, v, v_stride, seg, t_begin, t_end,
-                                                          acc, acc_stride, last, 0, prefetch);
+        accumulate_block<T, S, M, Dmax, Layout, false>(w, ld, v, v_stride, seg, t_begin, t_end, acc,
+                                                       acc_stride, last, 0, prefetch);
       }
     } else {
-      accumulate_block_n<T, S, M, Segmented, Dmax - 1>(D, w, ld, v, v_stride, seg, t_begin, t_end,
-                                                       acc, acc_stride, last, skip, prefetch);
+      accumulate_block_n<T, S, M, Layout, Dmax - 1>(D, w, ld, v, v_stride, seg, t_begin, t_end, acc,
+                                                    acc_stride, last, skip, prefetch);
     }
   }
 }
@@ -334,15 +405,19 @@ inline Index accumulate_column_blocks(int M, Index dv) {
 }
 
 // Every column of rows [0, M) over tokens [t_begin, t_end).
-template <class T, class S, int M, bool Segmented>
+template <class T, class S, int M, int Layout>
 inline void accumulate_span(const T* w, Index ld, const S* v, Index v_stride, Index seg, Index dv,
                             Index t_begin, Index t_end, T* acc, Index acc_stride,
                             Prefetcher* prefetch) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
   constexpr int Dmax = kBlockAccumulators / M;
   const Index packets = (dv + P - 1) / P;  // the last one overlaps when P does not divide dv
   const Index blocks = accumulate_column_blocks<T>(M, dv);
-  const Index width = (packets + blocks - 1) / blocks;
+  Index width = (packets + blocks - 1) / blocks;
+  if constexpr (Paired) width += width % 2;  // whole pairs (packets is even)
   Index d0 = 0;
   for (Index left = packets; left > 0;) {
     const int D = static_cast<int>(std::min(width, left));
@@ -351,15 +426,18 @@ inline void accumulate_span(const T* w, Index ld, const S* v, Index v_stride, In
     const bool tail = left == 0 && dv % P != 0;
     const Index last = tail ? dv - P - d0 : (D - 1) * P;
     const Index skip = tail ? P - dv % P : 0;
-    accumulate_block_n<T, S, M, Segmented, Dmax>(D, w, ld, v + d0, v_stride, seg, t_begin, t_end,
-                                                 acc + d0, acc_stride, last, skip, prefetch);
+    accumulate_block_n<T, S, M, Layout, Dmax>(D, w, ld, v + d0, v_stride, seg, t_begin, t_end,
+                                              acc + d0, acc_stride, last, skip, prefetch);
     d0 += D * P;
   }
 }
 
-template <class T, class S, bool Segmented>
+template <class T, class S, int Layout>
 void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, Index seg, Index dv,
                      Index n, T* acc, Index acc_stride, Index token_block, Prefetcher* prefetch) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   const Index block = token_block > 0 ? token_block : n;
   if (prefetch != nullptr) {
     Index column_blocks = 0;
@@ -376,14 +454,14 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
       const S* vi = Segmented ? v + i0 * seg : v;
       T* ai = acc + i0 * acc_stride;
       if (M == 4) {
-        accumulate_span<T, S, 4, Segmented>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai,
-                                            acc_stride, prefetch);
+        accumulate_span<T, S, 4, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
+                                         prefetch);
       } else if (M == 2) {
-        accumulate_span<T, S, 2, Segmented>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai,
-                                            acc_stride, prefetch);
+        accumulate_span<T, S, 2, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
+                                         prefetch);
       } else {
-        accumulate_span<T, S, 1, Segmented>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai,
-                                            acc_stride, prefetch);
+        accumulate_span<T, S, 1, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
+                                         prefetch);
       }
       i0 += M;
     }
@@ -396,13 +474,30 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
 /// wide), k_t,i = k + t * k_stride + i * seg (storage S; seg = 0: every row reads the
 /// same keys). With `add` the logits are added to. `prefetch` (optional) is stepped
 /// along the way (see Prefetcher) and finished at the end. `second` (optional) adds a
-/// second, per-row dot product into the same logits (see SecondDot).
-///
+/// second, per-row dot product into the same logits (see SecondDot). `paired`: the rows
+/// are read in pairs (packet_ops.hpp), and q is in paired order; only where
+/// paired_rows<T, S>(dk) and seg == 0.
 template <class T, class S>
 void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
                 Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch = nullptr,
-                const SecondDot<T>* second = nullptr) {
+                const std::type_identity_t<SecondDot<T>>* second = nullptr, bool paired = false) {
   constexpr Index P = packet_size<T>;
+  if constexpr (kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>) {
+    if (paired && paired_rows<T, S>(dk) && seg == 0) {
+      const bool narrow = second != nullptr && second->dk < P;
+      if (n > 0 && G > 0) {
+        kernels::score_rows<T, S, kernels::kPaired>(q, q_stride, G, dk, k, k_stride, 0, n, logits,
+                                                    ld, add, prefetch, narrow ? nullptr : second);
+      }
+      if (prefetch != nullptr) prefetch->finish();
+      if (narrow) {
+        score_rows(second->q, second->q_stride, G, second->dk, k + second->offset, k_stride,
+                   second->seg, n, logits, ld, true);
+      }
+      return;
+    }
+  }
+  (void)paired;
   if (second != nullptr && (dk < P || second->dk < P || seg != 0)) {
     // Narrow parts: the two dot products one after the other.
     score_rows(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add, prefetch);
@@ -422,11 +517,11 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
         }
       }
     } else if (seg != 0) {
-      kernels::score_rows<T, S, true>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
-                                      prefetch, nullptr);
+      kernels::score_rows<T, S, kernels::kSegmented>(q, q_stride, G, dk, k, k_stride, seg, n,
+                                                     logits, ld, add, prefetch, nullptr);
     } else {
-      kernels::score_rows<T, S, false>(q, q_stride, G, dk, k, k_stride, 0, n, logits, ld, add,
-                                       prefetch, second);
+      kernels::score_rows<T, S, kernels::kShared>(q, q_stride, G, dk, k, k_stride, 0, n, logits, ld,
+                                                  add, prefetch, second);
     }
   }
   if (prefetch != nullptr) prefetch->finish();
@@ -438,10 +533,24 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
 /// stay in registers while the block's value rows stream by, so a small block (16)
 /// keeps the tile's reading order front to back for a memory-bound step, and the whole
 /// tile (0) loads and stores each accumulator once per tile for a compute-bound one.
+///
+/// `paired`: the rows are read in pairs (packet_ops.hpp) and the accumulator rows are in
+/// paired order (from_paired restores it); only where paired_rows<T, S>(dv), seg == 0.
 template <class T, class S>
 void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, Index seg, Index dv,
                      Index n, T* acc, Index acc_stride, Index token_block = 0,
-                     Prefetcher* prefetch = nullptr) {
+                     Prefetcher* prefetch = nullptr, bool paired = false) {
+  if constexpr (kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>) {
+    if (paired && paired_rows<T, S>(dv) && seg == 0) {
+      if (n > 0 && G > 0) {
+        kernels::accumulate_rows<T, S, kernels::kPaired>(w, ld, G, v, v_stride, 0, dv, n, acc,
+                                                         acc_stride, token_block, prefetch);
+      }
+      if (prefetch != nullptr) prefetch->finish();
+      return;
+    }
+  }
+  (void)paired;
   if (n > 0 && G > 0) {
     if (dv < packet_size<T>) {
       for (Index i = 0; i < G; ++i) {
@@ -452,11 +561,11 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
         }
       }
     } else if (seg != 0) {
-      kernels::accumulate_rows<T, S, true>(w, ld, G, v, v_stride, seg, dv, n, acc, acc_stride,
-                                           token_block, prefetch);
+      kernels::accumulate_rows<T, S, kernels::kSegmented>(w, ld, G, v, v_stride, seg, dv, n, acc,
+                                                          acc_stride, token_block, prefetch);
     } else {
-      kernels::accumulate_rows<T, S, false>(w, ld, G, v, v_stride, 0, dv, n, acc, acc_stride,
-                                            token_block, prefetch);
+      kernels::accumulate_rows<T, S, kernels::kShared>(w, ld, G, v, v_stride, 0, dv, n, acc,
+                                                       acc_stride, token_block, prefetch);
     }
   }
   if (prefetch != nullptr) prefetch->finish();

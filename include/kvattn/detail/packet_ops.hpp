@@ -82,6 +82,62 @@ inline void keep_in_register(P& p) {
 #endif
 }
 
+/// bf16 rows read in pairs (AVX2): 16 elements loaded at once become two float packets,
+/// the even-indexed elements (the low halves of the 32-bit lanes, shifted up by 16) and
+/// the odd-indexed ones (the high halves, masked): one load and one integer op per
+/// packet, where widening 8 elements takes a zero-extending load (a shuffle) and a
+/// shift, both on the two pipes the FMAs share. The element order changes, so the other
+/// operand must be in the same "paired" order (to_paired): a query row for a dot
+/// product, and an accumulator row, put back in order after the pass (from_paired).
+#if defined(EIGEN_VECTORIZE_AVX2) && !defined(EIGEN_VECTORIZE_AVX512)
+inline constexpr bool kHavePairedBf16 = true;
+inline __m256i load_bf16_raw(const Eigen::bfloat16* from) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+}
+inline __m256 bf16_even(__m256i raw) { return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)); }
+inline __m256 bf16_odd(__m256i raw) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#else
+inline constexpr bool kHavePairedBf16 = false;
+#endif
+
+/// Whether rows of `width` elements of storage S are read in pairs (see above): bf16
+/// into float on AVX2, width a multiple of 16.
+template <class T, class S>
+constexpr bool paired_rows(Index width) {
+  return kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
+         width > 0 && width % 16 == 0;
+}
+
+/// Puts each 16-element block of `row` (width a multiple of 16) in paired order: its 8
+/// even-indexed elements, then its 8 odd-indexed ones.
+template <class T>
+void to_paired(T* row, Index width) {
+  for (Index j = 0; j + 16 <= width; j += 16) {
+    T block[16];
+    for (Index k = 0; k < 16; ++k) block[k] = row[j + k];
+    for (Index k = 0; k < 8; ++k) {
+      row[j + k] = block[2 * k];
+      row[j + 8 + k] = block[2 * k + 1];
+    }
+  }
+}
+
+/// The inverse of to_paired.
+template <class T>
+void from_paired(T* row, Index width) {
+  for (Index j = 0; j + 16 <= width; j += 16) {
+    T block[16];
+    for (Index k = 0; k < 16; ++k) block[k] = row[j + k];
+    for (Index k = 0; k < 8; ++k) {
+      row[j + 2 * k] = block[k];
+      row[j + 2 * k + 1] = block[8 + k];
+    }
+  }
+}
+
 /// x with lanes [0, skip) set to +0. A row of width w >= P ends with a packet loaded
 /// at w - P, which overlaps the previous full packet by skip = P - w % P lanes; zeroing
 /// them (in both operands of a product) counts every element once and reads nothing
