@@ -16,13 +16,17 @@
 //                    cover the FMA latency), so a query packet serves B tokens and a
 //                    shared key packet M rows; a block's dot products are reduced
 //                    together, P at a time, by one transpose-and-add (sum_lanes),
-//                    never one horizontal sum per token.
+//                    never one horizontal sum per token. The B tokens of a block are
+//                    not neighbours but B lanes spread over the tile, each walking its
+//                    own stretch front to back, so the hardware prefetcher sees B long
+//                    sequential streams (see score_block).
 //   accumulate_rows  acc (G x d_v) += W V_tile: M rows x D packets of columns held in
 //                    registers while the tokens stream by (one broadcast weight per row
 //                    and D value packets per token).
 // Widths that are not a multiple of P (LRKV's r = 54) end with one overlapping packet
 // whose repeated lanes are zeroed (packet_ops.hpp: zero_first), not a scalar loop.
-// Widths below P take a plain scalar loop.
+// Widths below P take a plain scalar loop. bf16 rows may be read 16 elements at a time
+// as an even- and an odd-indexed packet (the "paired" layout, packet_ops.hpp).
 #pragma once
 
 #include <algorithm>
@@ -64,7 +68,7 @@ namespace kernels {
 
 // How query row i finds its columns in a cached row: all at the same offset (kShared),
 // at i * seg (kSegmented), or at the same offset with bf16 elements read 16 at a time
-// as an even and an odd packet (kPaired, packet_ops.hpp: load_bf16_pair).
+// as an even and an odd packet (kPaired, packet_ops.hpp: bf16_even / bf16_odd).
 inline constexpr int kShared = 0;
 inline constexpr int kSegmented = 1;
 inline constexpr int kPaired = 2;
@@ -124,6 +128,7 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
     // 16 bf16 elements per load, the even-indexed ones in one pass over the block's
     // rows, the odd-indexed in a second (the reload hits L1), so that one key packet
     // at a time is live (12 accumulators + M queries + 1).
+#if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 builds
     if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8) {
       for (Index j = 0; j < dk; j += 2 * P) {
         KVATTN_UNROLL
@@ -144,6 +149,7 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
         }
       }
     }
+#endif
   } else {
     const Index full = dk / P * P;
     for (Index j = 0; j < full; j += P) step(j, 0);
@@ -323,6 +329,7 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
     } else if constexpr (Paired) {
       // 16 bf16 columns per load: the even-indexed into packet d, the odd into d + 1
       // (the accumulator row is in paired order; D is even).
+#if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 builds
       if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8 && D % 2 == 0) {
         Packet<T> weight[M];
         KVATTN_UNROLL
@@ -340,6 +347,7 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
           for (int m = 0; m < M; ++m) a[m][d + 1] = ei::pmadd(weight[m], odd, a[m][d + 1]);
         }
       }
+#endif
     } else {
       Packet<T> weight[M];
       KVATTN_UNROLL

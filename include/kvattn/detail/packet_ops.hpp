@@ -90,6 +90,7 @@ inline void keep_in_register(P& p) {
 /// operand must be in the same "paired" order (to_paired): a query row for a dot
 /// product, and an accumulator row, put back in order after the pass (from_paired).
 #if defined(EIGEN_VECTORIZE_AVX2) && !defined(EIGEN_VECTORIZE_AVX512)
+#define KVATTN_PAIRED_BF16 1
 inline constexpr bool kHavePairedBf16 = true;
 inline __m256i load_bf16_raw(const Eigen::bfloat16* from) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
@@ -100,6 +101,7 @@ inline __m256 bf16_odd(__m256i raw) {
       _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 #else
+#define KVATTN_PAIRED_BF16 0
 inline constexpr bool kHavePairedBf16 = false;
 #endif
 
