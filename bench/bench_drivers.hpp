@@ -1,9 +1,13 @@
-// The benchmark bodies shared by every mechanism: decode (attend), decode_expanded
-// (the reference decode step), layer_decode and prefill. A mechanism is described
+// The benchmark bodies shared by every mechanism: decode (attend), decode_naive (the
+// obvious Eigen code over the same cache), decode_expanded (the reference decode
+// step), layer_decode and prefill. A mechanism is described
 // by a traits struct (mech_gqa.hpp, mech_mla.hpp, mech_lrkv.hpp) with:
 //
-//   Layer, Cache<S>, Pool                 types
+//   Layer, Cache<S>, Pool, Naive          types (Naive: naive.hpp's baseline)
 //   name                                  "mha", "mla", ...
+//   has_naive()                           whether Naive computes this configuration
+//   block_bytes(L, storage bytes)         the largest block one query head reads (one KV
+//                                         group's K and V; MLA's latent rows; LRKV's rows)
 //   make_layer()                          the layer (seed 1)
 //   d_model(), query_width(), heads_width()
 //   make_pool(rng, rows)                  random raw cache rows (kvattn::random_normal)
@@ -18,9 +22,13 @@
 // normal draws.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <kvattn/reference/gqa.hpp>
@@ -28,6 +36,7 @@
 #include <kvattn/reference/mla.hpp>
 
 #include "bench_util.hpp"
+#include "naive.hpp"
 
 namespace kvb {
 
@@ -37,22 +46,29 @@ inline constexpr Index kPoolRows = 1024;
 inline constexpr double kCheckTolerance = 2e-3;
 
 /// The rotation slots of one benchmark: a layer (a private copy when the step reads
-/// its weights, so each slot's weights are cold like another layer's) and a cache.
+/// its weights, so each slot's weights are cold like another layer's), a cache and the
+/// workspace its steps use (made for the benchmark's thread count, so no timed step
+/// allocates).
 template <class M, class S>
 struct Slots {
   using Layer = typename M::Layer;
   using Cache = typename M::template Cache<S>;
   std::vector<std::shared_ptr<const Layer>> layers;
   std::vector<Cache> caches;
+  std::vector<typename Layer::Workspace> workspaces;
   std::vector<ReadSet> reads;
 
   int size() const { return static_cast<int>(caches.size()); }
 };
 
-/// n slots with caches of L tokens (capacity `reserve`) filled from `pool`.
+/// n slots with caches of L tokens (capacity `reserve`) filled from `pool`, each with a
+/// workspace for T threads.
 template <class M, class S>
 Slots<M, S> make_slots(const M& mech, const std::shared_ptr<const typename M::Layer>& base, int n,
-                       bool copy_layers, Index L, Index reserve, const typename M::Pool& pool) {
+                       bool copy_layers, Index L, Index reserve, const typename M::Pool& pool,
+                       int T) {
+  static_assert(kvattn::AttentionLayer<typename M::Layer>,
+                "a benchmark mechanism's Layer must model kvattn::AttentionLayer");
   Slots<M, S> slots;
   slots.layers.reserve(static_cast<std::size_t>(n));
   slots.caches.reserve(static_cast<std::size_t>(n));  // no reallocation: spans stay valid
@@ -61,6 +77,7 @@ Slots<M, S> make_slots(const M& mech, const std::shared_ptr<const typename M::La
         i == 0 || !copy_layers ? base : std::make_shared<const typename M::Layer>(*base));
     slots.caches.push_back(slots.layers.back()->template make_cache<S>(reserve));
     mech.fill(slots.caches.back(), L, pool);
+    slots.workspaces.push_back(slots.layers.back()->make_workspace(kvattn::Threads{T}));
   }
   return slots;
 }
@@ -85,18 +102,47 @@ bool add_cache_checked(benchmark::State& state, const M& mech, ReadSet& set, con
   return true;
 }
 
+using Clock = std::chrono::steady_clock;
+inline double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+/// The naive baseline of a mechanism (naive.hpp) over a set of float slots: picks the
+/// faster of its two forms (one untimed step each, after a warm-up step), then runs it.
+template <class M>
+struct NaiveRunner {
+  typename M::Naive naive;
+  NaiveForm form = NaiveForm::per_head;
+
+  template <class Slot>
+  void choose(const Slot& slots, const Row& query, Row& heads, int T) {
+    naive.prepare(*slots.layers[0], slots.caches[0].tokens(), T);
+    const int n = slots.size();
+    double best = std::numeric_limits<double>::infinity();
+    int k = 0;
+    naive.run(NaiveForm::per_group, slots.caches[k++ % n], query, heads);  // warm-up
+    for (const NaiveForm f : {NaiveForm::per_head, NaiveForm::per_group}) {
+      const auto start = Clock::now();
+      naive.run(f, slots.caches[k++ % n], query, heads);
+      const double t = seconds_since(start);
+      if (t < best) best = t, form = f;
+    }
+  }
+  template <class Cache>
+  void run(const Cache& cache, const Row& query, Row& heads) {
+    naive.run(form, cache, query, heads);
+  }
+};
+
 /// decode/<mech> (expanded = false): layer.attend over a filled cache of L tokens.
 /// decode_expanded/<mech> (expanded = true): reference::decode_step on the same cache.
+/// A float decode/ row also gets vs_naive: the decode_naive row's time from earlier in
+/// this run, or, when that did not run (a filter), the naive step timed here.
 template <class M, class S>
 void run_decode(benchmark::State& state, const M& mech, bool expanded) {
-  using Layer = typename M::Layer;
-  using Cache = typename M::template Cache<S>;
   const Index L = state.range(0);
   const int T = static_cast<int>(state.range(1));
-  if (!expanded && !HasAttend<Layer, Cache>) {
-    skip(state, mech.name + ": this kvattn has no Layer::attend(query, cache, heads, Threads)");
-    return;
-  }
+  const kvattn::Threads threads{T};
   const auto base = layer_of(mech);
   ReadSet weights;
   mech.add_attend_weights(weights, *base);
@@ -106,7 +152,7 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
   const int n = rotation_count(cache_estimate + weights.bytes());
   std::mt19937_64 rng(7);
   const auto pool = mech.make_pool(rng, std::min(L, kPoolRows));
-  auto slots = make_slots<M, S>(mech, base, n, weights.bytes() > 0, L, L, pool);
+  auto slots = make_slots<M, S>(mech, base, n, weights.bytes() > 0, L, L, pool, T);
   for (int i = 0; i < n; ++i) {
     ReadSet set;
     if (!add_cache_checked(state, mech, set, slots.caches[i])) return;
@@ -117,7 +163,7 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
   Row heads(mech.heads_width());
 
   if (smoke() && !expanded) {
-    attend(*slots.layers[0], query, slots.caches[0], heads, T);
+    slots.layers[0]->attend(query, slots.caches[0], heads, slots.workspaces[0], threads);
     const Mat want = kvattn::reference::decode_step(*slots.layers[0], slots.caches[0], query);
     const double err = relative_error(heads, want);
     if (!(err <= kCheckTolerance)) {
@@ -127,25 +173,29 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
     }
   }
 
-  // One untimed step per slot: the cache's workspace is sized (attend allocates nothing
-  // after its first call at a thread count). The slots are then cold again by the time
-  // the timed loop reaches them (the rotation spans >= 96 MiB).
+  // One untimed step per slot (page faults, the thread team). The slots are then cold
+  // again by the time the timed loop reaches them (the rotation spans >= 96 MiB).
   if (!expanded) {
-    for (int i = 0; i < n; ++i) attend(*slots.layers[i], query, slots.caches[i], heads, T);
+    for (int i = 0; i < n; ++i) {
+      slots.layers[i]->attend(query, slots.caches[i], heads, slots.workspaces[i], threads);
+    }
   }
 
   Limits limits;
   Index it = 0;
+  double step_seconds = 0;
   for (auto _ : state) {
     const int k = static_cast<int>(it % n);
+    const auto start = Clock::now();
     if (expanded) {
       const Mat out = kvattn::reference::decode_step(*slots.layers[k], slots.caches[k], query);
       benchmark::DoNotOptimize(out.data());
     } else {
-      attend(*slots.layers[k], query, slots.caches[k], heads, T);
+      slots.layers[k]->attend(query, slots.caches[k], heads, slots.workspaces[k], threads);
       benchmark::DoNotOptimize(heads.data());
     }
     benchmark::ClobberMemory();
+    step_seconds += seconds_since(start);
     state.PauseTiming();
     limits.read(slots.reads[read_slot(it, n)], T);
     state.ResumeTiming();
@@ -156,20 +206,101 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
   cost.cache_bytes = static_cast<double>(slots.caches[0].bytes());
   cost.flops = expanded ? mech.expanded_flops(L) : mech.attend_flops(L);
   report(state, cost, limits, T);
+  state.counters["block_bytes"] = benchmark::Counter(mech.block_bytes(L, sizeof(S)));
+  if constexpr (std::is_same_v<S, float>) {
+    if (!expanded && it > 0 && mech.has_naive()) {
+      double naive = naive_seconds(mech.name, L, T);
+      if (naive <= 0) {  // decode_naive did not run: time the naive step here
+        NaiveRunner<M> runner;
+        runner.choose(slots, query, heads, T);
+        std::vector<double> times;
+        for (int rep = 0; rep < 3; ++rep) {
+          const auto start = Clock::now();
+          runner.run(slots.caches[static_cast<std::size_t>(rep % n)], query, heads);
+          times.push_back(seconds_since(start));
+        }
+        std::sort(times.begin(), times.end());
+        naive = times[1];
+      }
+      state.counters["vs_naive"] =
+          benchmark::Counter(naive / (step_seconds / static_cast<double>(it)));
+    }
+  }
+}
+
+/// decode_naive/<mech>: the naive baseline (naive.hpp) over the same float caches,
+/// in the faster of its two forms (the label says which); its time per step is kept
+/// for the vs_naive counter of decode/<mech> at the same L and T.
+template <class M>
+void run_naive(benchmark::State& state, const M& mech) {
+  const Index L = state.range(0);
+  const int T = static_cast<int>(state.range(1));
+  const auto base = layer_of(mech);
+  ReadSet weights;
+  mech.add_attend_weights(weights, *base);
+  const auto probe = base->template make_cache<float>();
+  const double cache_estimate =
+      static_cast<double>(L) * static_cast<double>(probe.elements_per_token()) * sizeof(float);
+  const int n = rotation_count(cache_estimate + weights.bytes());
+  std::mt19937_64 rng(7);
+  const auto pool = mech.make_pool(rng, std::min(L, kPoolRows));
+  auto slots = make_slots<M, float>(mech, base, n, weights.bytes() > 0, L, L, pool, T);
+  for (int i = 0; i < n; ++i) {
+    ReadSet set;
+    if (!add_cache_checked(state, mech, set, slots.caches[i])) return;
+    mech.add_attend_weights(set, *slots.layers[i]);
+    slots.reads.push_back(set);
+  }
+  const Row query = kvattn::random_normal<float>(1, mech.query_width(), rng);
+  Row heads(mech.heads_width());
+  NaiveRunner<M> runner;
+  if (smoke()) {
+    runner.naive.prepare(*slots.layers[0], L, T);
+    const Mat want = kvattn::reference::decode_step(*slots.layers[0], slots.caches[0], query);
+    for (const NaiveForm f : {NaiveForm::per_head, NaiveForm::per_group}) {
+      runner.naive.run(f, slots.caches[0], query, heads);
+      const double err = relative_error(heads, want);
+      if (!(err <= kCheckTolerance)) {
+        fail(state, mech.name + ": the naive " + to_string(f) +
+                        " step differs from reference::decode_step by " + std::to_string(err));
+        return;
+      }
+    }
+  }
+  runner.choose(slots, query, heads, T);
+
+  Limits limits;
+  Index it = 0;
+  double step_seconds = 0;
+  for (auto _ : state) {
+    const int k = static_cast<int>(it % n);
+    const auto start = Clock::now();
+    runner.run(slots.caches[k], query, heads);
+    benchmark::DoNotOptimize(heads.data());
+    benchmark::ClobberMemory();
+    step_seconds += seconds_since(start);
+    state.PauseTiming();
+    limits.read(slots.reads[read_slot(it, n)], T);
+    state.ResumeTiming();
+    ++it;
+  }
+  Cost cost;
+  cost.bytes = slots.reads[0].bytes();
+  cost.cache_bytes = static_cast<double>(slots.caches[0].bytes());
+  cost.flops = mech.attend_flops(L);
+  report(state, cost, limits, T);
+  state.counters["block_bytes"] = benchmark::Counter(mech.block_bytes(L, sizeof(float)));
+  state.SetLabel(std::string("form:") + to_string(runner.form));
+  if (it > 0) record_naive(mech.name, L, T, step_seconds / static_cast<double>(it));
 }
 
 /// layer_decode/<mech>: layer.decode(x, cache, out, threads) (projections, append,
 /// attention over L + 1 tokens, W_O), then cache.truncate(L).
 template <class M, class S>
 void run_layer_decode(benchmark::State& state, const M& mech) {
-  using Layer = typename M::Layer;
-  using Cache = typename M::template Cache<S>;
   const Index L = state.range(0);
   const int T = static_cast<int>(state.range(1));
-  if (!can_decode<Layer, Cache>(T)) {
-    skip(state, mech.name + ": this kvattn's decode takes no Threads");
-    return;
-  }
+  const kvattn::Threads threads{T};
   const auto base = layer_of(mech);
   ReadSet weights;
   mech.add_layer_weights(weights, *base);
@@ -179,7 +310,7 @@ void run_layer_decode(benchmark::State& state, const M& mech) {
   const int n = rotation_count(cache_estimate + weights.bytes());
   std::mt19937_64 rng(7);
   const auto pool = mech.make_pool(rng, std::min(L, kPoolRows));
-  auto slots = make_slots<M, S>(mech, base, n, true, L, L + 1, pool);
+  auto slots = make_slots<M, S>(mech, base, n, true, L, L + 1, pool, T);
   for (int i = 0; i < n; ++i) {
     ReadSet set;
     if (!add_cache_checked(state, mech, set, slots.caches[i])) return;
@@ -188,15 +319,15 @@ void run_layer_decode(benchmark::State& state, const M& mech) {
   }
   const Row x = kvattn::random_normal<float>(1, mech.d_model(), rng);
   Row out(mech.d_model());
-  for (int i = 0; i < n; ++i) {  // untimed: sizes each cache's workspace
-    decode(*slots.layers[i], x, slots.caches[i], out, T);
+  for (int i = 0; i < n; ++i) {  // untimed: page faults, the thread team
+    slots.layers[i]->decode(x, slots.caches[i], out, slots.workspaces[i], threads);
     slots.caches[i].truncate(L);
   }
   Limits limits;
   Index it = 0;
   for (auto _ : state) {
     const int k = static_cast<int>(it % n);
-    decode(*slots.layers[k], x, slots.caches[k], out, T);
+    slots.layers[k]->decode(x, slots.caches[k], out, slots.workspaces[k], threads);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
     slots.caches[k].truncate(L);
@@ -215,14 +346,8 @@ void run_layer_decode(benchmark::State& state, const M& mech) {
 /// prefill/<mech>: layer.prefill(x, cache, threads) of L tokens on a cleared cache.
 template <class M>
 void run_prefill(benchmark::State& state, const M& mech) {
-  using Layer = typename M::Layer;
-  using Cache = typename M::template Cache<float>;
   const Index L = state.range(0);
   const int T = static_cast<int>(state.range(1));
-  if (!can_prefill<Layer, Cache>(T)) {
-    skip(state, mech.name + ": this kvattn's prefill takes no Threads");
-    return;
-  }
   const auto base = layer_of(mech);
   std::mt19937_64 rng(7);
   const Mat x = kvattn::random_normal<float>(L, mech.d_model(), rng);
@@ -236,7 +361,7 @@ void run_prefill(benchmark::State& state, const M& mech) {
   // Caches are filled once with raw rows (pages touched, spans of L tokens for the
   // read pass), then cleared before every prefill.
   const auto pool = mech.make_pool(rng, std::min(L, kPoolRows));
-  auto slots = make_slots<M, float>(mech, base, n, true, L, L, pool);
+  auto slots = make_slots<M, float>(mech, base, n, true, L, L, pool, T);
   for (int i = 0; i < n; ++i) {
     ReadSet set;
     set.add_dense(x);
@@ -249,7 +374,7 @@ void run_prefill(benchmark::State& state, const M& mech) {
   for (auto _ : state) {
     const int k = static_cast<int>(it % n);
     slots.caches[k].clear();
-    const Mat y = prefill(*slots.layers[k], x, slots.caches[k], T);
+    const Mat y = slots.layers[k]->prefill(x, slots.caches[k], kvattn::Threads{T});
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
     state.PauseTiming();
@@ -272,6 +397,14 @@ void add_decode(const std::string& family, const M& mech, const std::vector<Inde
   add(
       family + "/" + mech.name,
       [mech](benchmark::State& state) { run_decode<M, S>(state, mech, false); }, lengths, threads);
+}
+
+template <class M>
+void add_naive(const M& mech, const std::vector<Index>& lengths, const std::vector<int>& threads) {
+  if (!mech.has_naive()) return;
+  add(
+      "decode_naive/" + mech.name, [mech](benchmark::State& state) { run_naive<M>(state, mech); },
+      lengths, threads);
 }
 
 template <class M>

@@ -1,5 +1,5 @@
 // Benchmarks of the GQA family (MHA, GQA with 8 KV heads, MQA; d 4096, 32 heads,
-// d_h 128, no RoPE): decode, decode_bf16, layer_decode, decode_expanded.
+// d_h 128, no RoPE): decode_naive, decode, decode_bf16, layer_decode, decode_expanded.
 #include "bench_drivers.hpp"
 #include "mech_gqa.hpp"
 
@@ -8,10 +8,13 @@ namespace kvb {
 void register_gqa() {
   const std::vector<int> threads = thread_counts();
   const GqaMech mechs[] = {mha_mech(), gqa_mech(), mqa_mech()};
-  for (const auto& m : mechs) add_decode("decode", m, kDecodeLengths, threads);
-  add_decode<GqaMech, Eigen::bfloat16>("decode_bf16", mha_mech(), {4096, 65536}, threads);
-  add_decode<GqaMech, Eigen::bfloat16>("decode_bf16", gqa_mech(), {65536}, threads);
-  add_decode<GqaMech, Eigen::bfloat16>("decode_bf16", mqa_mech(), {65536}, threads);
+  for (const auto& m : mechs) {
+    add_naive(m, kDecodeLengths, threads);  // first: decode/ reads its times (vs_naive)
+    add_decode("decode", m, kDecodeLengths, threads);
+  }
+  add_decode<GqaMech, Eigen::bfloat16>("decode_bf16", mha_mech(), {4096, 16384, 65536}, threads);
+  add_decode<GqaMech, Eigen::bfloat16>("decode_bf16", gqa_mech(), {16384, 65536}, threads);
+  add_decode<GqaMech, Eigen::bfloat16>("decode_bf16", mqa_mech(), {16384, 65536}, threads);
   for (const auto& m : mechs) add_layer_decode(m, kDecodeLengths, threads);
   for (const auto& m : mechs) add_expanded(m, {1024, 4096});
 }

@@ -1,5 +1,5 @@
 // Benchmarks of MLA at DeepSeek-V2-Lite's shape (mla) and DeepSeek-V2's (mla_v2):
-// decode (absorbed attend), decode_bf16, layer_decode, decode_expanded (the
+// decode_naive, decode (absorbed attend), decode_bf16, layer_decode, decode_expanded (the
 // re-projecting reference step) and decode_precached/mla, the baseline the absorbed
 // path must beat: a cache of already up-projected per-head keys and values decoded
 // like MHA, by the kernel below.
@@ -199,10 +199,12 @@ void register_mla() {
   const std::vector<int> threads = thread_counts();
   const MlaMech lite = mla_mech();
   const MlaMech v2 = mla_v2_mech();
-  add_decode("decode", lite, kDecodeLengths, threads);
-  add_decode("decode", v2, kDecodeLengths, threads);
-  add_decode<MlaMech, Eigen::bfloat16>("decode_bf16", lite, {65536}, threads);
-  add_decode<MlaMech, Eigen::bfloat16>("decode_bf16", v2, {65536}, threads);
+  for (const MlaMech& m : {lite, v2}) {
+    add_naive(m, kDecodeLengths, threads);  // first: decode/ reads its times (vs_naive)
+    add_decode("decode", m, kDecodeLengths, threads);
+  }
+  add_decode<MlaMech, Eigen::bfloat16>("decode_bf16", lite, {16384, 65536}, threads);
+  add_decode<MlaMech, Eigen::bfloat16>("decode_bf16", v2, {16384, 65536}, threads);
   add(
       "decode_precached/mla", [lite](benchmark::State& state) { run_precached(state, lite); },
       kDecodeLengths, threads);

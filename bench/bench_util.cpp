@@ -244,16 +244,35 @@ void fail(benchmark::State& state, const std::string& message) {
   state.SkipWithError(message.c_str());
 }
 
-void skip(benchmark::State& state, const std::string& message) {
-  state.SkipWithError(("skipped: " + message).c_str());
-}
-
 bool any_failure() { return g_failed; }
 
 double relative_error(const Mat& a, const Mat& b) {
   if (a.rows() != b.rows() || a.cols() != b.cols()) return std::numeric_limits<double>::infinity();
   const double scale = std::max(1e-30, static_cast<double>(b.cwiseAbs().maxCoeff()));
   return static_cast<double>((a - b).cwiseAbs().maxCoeff()) / scale;
+}
+
+namespace {
+std::map<std::string, std::vector<double>>& naive_times() {
+  static std::map<std::string, std::vector<double>> times;
+  return times;
+}
+std::string naive_key(const std::string& mech, Index L, int T) {
+  return mech + "/L:" + std::to_string(L) + "/T:" + std::to_string(T);
+}
+}  // namespace
+
+double naive_seconds(const std::string& mech, Index L, int T) {
+  const auto it = naive_times().find(naive_key(mech, L, T));
+  if (it == naive_times().end() || it->second.empty()) return 0.0;
+  std::vector<double> v = it->second;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+void record_naive(const std::string& mech, Index L, int T, double seconds) {
+  naive_times()[naive_key(mech, L, T)].push_back(seconds);
 }
 
 std::shared_ptr<const void>& layer_slot(const std::string& key) {

@@ -1,6 +1,7 @@
 // Shared helpers of kvattn_bench: the run mode, registration, the limits every
 // benchmark measures next to its kernel (a read-only pass over the step's bytes and a
-// dense GEMM), the counters, cache rotation, and thin adapters over the layer API.
+// dense GEMM), the counters, cache rotation, and the record of naive baseline times.
+// Layers are used through the kvattn::AttentionLayer concept (bench_drivers.hpp).
 // bench/main.cpp documents every benchmark name and counter.
 #pragma once
 
@@ -17,13 +18,6 @@
 #include <vector>
 
 #include <kvattn/kvattn.hpp>
-
-#if __has_include(<kvattn/core/threads.hpp>)
-#include <kvattn/core/threads.hpp>
-#define KVB_HAVE_THREADS 1
-#else
-#define KVB_HAVE_THREADS 0
-#endif
 
 namespace kvb {
 
@@ -150,9 +144,6 @@ inline int read_slot(Index iteration, int slots) {
 /// A failed check (smoke mode compares against the references): SkipWithError, and
 /// main() then exits with 1.
 void fail(benchmark::State& state, const std::string& message);
-/// A benchmark that cannot run with this library version (API missing): skipped,
-/// not a failure.
-void skip(benchmark::State& state, const std::string& message);
 bool any_failure();
 
 /// max |a - b| / max |b|.
@@ -171,74 +162,12 @@ std::shared_ptr<const Layer> shared_layer(const std::string& key, Make make) {
   return std::static_pointer_cast<const Layer>(slot);
 }
 
-// ---- Adapters over the layer API --------------------------------------------------------
-//
-// attend(query, cache, heads, Threads) is the step the decode benchmarks time; a layer
-// type without it is skipped. decode / prefill take Threads when the library has them,
-// else they run on one thread (and T > 1 is skipped).
+// ---- Naive baselines and vs_naive ---------------------------------------------------------
 
-#if KVB_HAVE_THREADS
-using ThreadsArg = kvattn::Threads;
-#else
-struct ThreadsArg {  // a library without kvattn::Threads: no call below accepts it
-  int count = 1;
-};
-#endif
-
-template <class Layer, class Cache>
-concept HasAttend = requires(const Layer& layer, const Row& query, Cache& cache, Row& heads) {
-  layer.attend(query, cache, heads, ThreadsArg{1});
-};
-template <class Layer, class Cache>
-concept HasThreadedDecode = requires(const Layer& layer, const Row& x, Cache& cache, Row& out) {
-  layer.decode(x, cache, out, ThreadsArg{1});
-};
-template <class Layer, class Cache>
-concept HasThreadedPrefill = requires(const Layer& layer, const Mat& x, Cache& cache) {
-  layer.prefill(x, cache, ThreadsArg{1});
-};
-template <class Layer, class Cache>
-concept HasThreadedModePrefill = requires(const Layer& layer, const Mat& x, Cache& cache) {
-  layer.prefill(x, cache, kvattn::MlaPrefill::automatic, ThreadsArg{1});
-};
-
-template <class Layer, class Cache>
-void attend(const Layer& layer, const Row& query, Cache& cache, Row& heads, int threads) {
-  if constexpr (HasAttend<Layer, Cache>) {
-    layer.attend(query, cache, heads, ThreadsArg{threads});
-  } else {
-    (void)layer, (void)query, (void)cache, (void)heads, (void)threads;
-  }
-}
-
-template <class Layer, class Cache>
-constexpr bool can_decode(int threads) {
-  return HasThreadedDecode<Layer, Cache> || threads == 1;
-}
-template <class Layer, class Cache>
-void decode(const Layer& layer, const Row& x, Cache& cache, Row& out, int threads) {
-  if constexpr (HasThreadedDecode<Layer, Cache>) {
-    layer.decode(x, cache, out, ThreadsArg{threads});
-  } else {
-    (void)threads;
-    layer.decode(x, cache, out);
-  }
-}
-
-template <class Layer, class Cache>
-constexpr bool can_prefill(int threads) {
-  return HasThreadedPrefill<Layer, Cache> || HasThreadedModePrefill<Layer, Cache> || threads == 1;
-}
-template <class Layer, class Cache>
-Mat prefill(const Layer& layer, const Mat& x, Cache& cache, int threads) {
-  if constexpr (HasThreadedPrefill<Layer, Cache>) {
-    return layer.prefill(x, cache, ThreadsArg{threads});
-  } else if constexpr (HasThreadedModePrefill<Layer, Cache>) {
-    return layer.prefill(x, cache, kvattn::MlaPrefill::automatic, ThreadsArg{threads});
-  } else {
-    (void)threads;
-    return layer.prefill(x, cache);
-  }
-}
+/// The per-step time (seconds) of decode_naive/<mech>/L/T measured earlier in this run
+/// (the median over its repetitions so far), or 0 when it has not run.
+double naive_seconds(const std::string& mech, Index L, int T);
+/// Records one repetition of decode_naive/<mech>/L/T (its mean time per step).
+void record_naive(const std::string& mech, Index L, int T, double seconds);
 
 }  // namespace kvb

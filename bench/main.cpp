@@ -19,14 +19,26 @@
 // rank 54, rope_mode shared, half-split RoPE, no key norm). GQA-family layers have no
 // RoPE.
 //   decode/<mech>/L:<L>/T:<T>           L in {1024, 4096, 16384, 65536}, all six mechs.
-//       layer.attend(query, cache, heads, Threads{T}) over a cache of L tokens filled
-//       with the raw append: the attention step of the newest cached token, projected
+//       layer.attend(query, cache, heads, workspace, Threads{T}) over a cache of L
+//       tokens filled with the raw append (each rotation slot has its workspace, made by
+//       make_workspace(Threads{T}) before timing: no step allocates): the attention step of the newest cached token, projected
 //       query in, per-head outputs (before W_O) out. MLA's absorption through W_UK
 //       and W_UV and LRKV's through B^K and B^V are part of the step.
-//   decode_bf16/<mech>/L:<L>/T:<T>      the same step on a bf16 cache
-//       (make_cache<Eigen::bfloat16>): mha at L 4096 and 65536, the others at 65536.
+//   decode_naive/<mech>/L:<L>/T:<T>     the baseline: the attention step as a competent
+//       Eigen user would write it over the same fp32 cache buffers (bench/naive.hpp), in
+//       the faster of two forms, picked per run by timing one step of each (the label
+//       says which): per_head (per query head a GEMV over its KV head's dense key block,
+//       softmax, a transposed GEMV over the values; threads over heads) or per_group
+//       (per KV group one GEMM of its query rows against the block, row softmax, one
+//       GEMM with the values; threads over groups / blocks of query rows). MLA: the
+//       absorbed math over the latent rows in both forms; LRKV: the shared key plus each
+//       head's residual slice. Registered before decode/ (same L, T), which reads its
+//       time for vs_naive. All six mechanisms, L as decode.
+//   decode_bf16/<mech>/L:<L>/T:<T>      the same step as decode/ on a bf16 cache
+//       (make_cache<Eigen::bfloat16>): mha at L 4096, 16384 and 65536, the others at
+//       16384 and 65536.
 //   layer_decode/<mech>/L:<L>/T:<T>     the whole layer step, layer.decode(x, cache,
-//       out, Threads{T}) (projections, append, attention over L + 1 tokens, W_O), then
+//       out, workspace, Threads{T}) (projections, append, attention over L + 1 tokens, W_O), then
 //       cache.truncate(L). L as decode.
 //   decode_expanded/<mech>/L:<L>/T:1    kvattn::reference::decode_step on the same
 //       cache: every head's K and V materialized (GQA: copied from its KV group; MLA:
@@ -79,6 +91,24 @@
 //                     fraction of the attainable speed the step reaches (1 = at the
 //                     bound). The label says which bound applies (bound:memory or
 //                     bound:compute).
+//   vs_naive          (fp32 decode/ rows) time per step of decode_naive/<mech> at the
+//                     same L and T, measured earlier in this run (median over its
+//                     repetitions), / this row's time per step; > 1 = kvattn faster.
+//                     Both times are the mean steady_clock time of the timed steps.
+//                     When decode_naive did not run (a filter), the decode benchmark
+//                     times the naive step itself after its loop (faster form, median
+//                     of 3 steps on its own slots).
+//   block_bytes       (decode, decode_naive, decode_bf16) the largest block one query
+//                     head's attention reads: one KV group's K and V (2 L d_h), MLA's
+//                     latent rows (L (d_c + d_R)), LRKV's key and value rows. The
+//                     naive per-head form re-reads it for every head of the group, so
+//                     once it exceeds the last-level cache the factored step must win
+//                     by the group size (the report's 1.5x target).
+//
+// CONTEXT
+//   simd_level        kvattn::simd_level(): the instruction set kvattn's kernels were
+//                     compiled for ("avx512", "avx2+fma", "sse2", ...), in the JSON
+//                     context; the report prints it.
 //
 // MEASUREMENT
 //   * Real time (UseRealTime) for every benchmark, microseconds.
@@ -97,6 +127,8 @@
 #include <string_view>
 
 #include <Eigen/Core>
+
+#include <kvattn/core/simd.hpp>
 
 #include "bench_util.hpp"
 
@@ -119,6 +151,9 @@ int main(int argc, char** argv) {
   // EIGEN_DONT_PARALLELIZE), and the references and limits say their thread counts.
   Eigen::setNbThreads(1);
   benchmark::Initialize(&argc, argv);
+  // The vector instruction set kvattn's kernels were compiled for (core/simd.hpp): the
+  // report names it, as numbers from different ISAs are not comparable.
+  benchmark::AddCustomContext("simd_level", kvattn::simd_level());
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   kvb::register_gqa();
   kvb::register_mla();

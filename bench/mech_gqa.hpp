@@ -7,6 +7,7 @@
 #include <kvattn/attention/gqa.hpp>
 
 #include "bench_util.hpp"
+#include "naive.hpp"
 
 namespace kvb {
 
@@ -18,9 +19,16 @@ struct GqaMech {
     Mat keys, values;  // rows x n_kv*d_h
   };
 
+  using Naive = NaiveGqa;
+
   std::string name;
   kvattn::GqaConfig config;
 
+  bool has_naive() const { return true; }
+  /// One KV group's keys and values: 2 L d_h elements.
+  double block_bytes(Index L, std::size_t storage) const {
+    return 2.0 * static_cast<double>(L) * dh() * static_cast<double>(storage);
+  }
   Layer make_layer() const { return Layer::random(config, 1); }
   Index d_model() const { return config.d_model; }
   Index query_width() const { return config.n_heads * config.head_dim; }

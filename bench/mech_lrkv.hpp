@@ -7,6 +7,7 @@
 #include <kvattn/attention/lrkv.hpp>
 
 #include "bench_util.hpp"
+#include "naive.hpp"
 
 namespace kvb {
 
@@ -21,9 +22,17 @@ struct LrkvMech {
     Mat key_rms;                         // rows x H (key_norm only)
   };
 
+  using Naive = NaiveLrkv;
+
   std::string name;
   kvattn::LrkvConfig config;
 
+  bool has_naive() const { return NaiveLrkv::supports(config); }
+  /// The key and value rows every head reads (shared part and its residual slice, in
+  /// rows of 2 (d_h + H r) elements): the whole cache but the key RMS.
+  double block_bytes(Index L, std::size_t storage) const {
+    return static_cast<double>(L) * 2.0 * (dh() + H() * r()) * static_cast<double>(storage);
+  }
   Layer make_layer() const { return Layer::random(config, 1); }
   Index d_model() const { return config.d_model; }
   Index query_width() const { return config.n_heads * (config.head_dim + config.decoupled_dim()); }

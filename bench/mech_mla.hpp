@@ -7,6 +7,7 @@
 #include <kvattn/attention/mla.hpp>
 
 #include "bench_util.hpp"
+#include "naive.hpp"
 
 namespace kvb {
 
@@ -19,9 +20,16 @@ struct MlaMech {
     Mat rope_keys;  // rows x d_R
   };
 
+  using Naive = NaiveMla;
+
   std::string name;
   kvattn::MlaConfig config;
 
+  bool has_naive() const { return true; }
+  /// The latent rows [c | k_R] every head reads: L (d_c + d_R) elements.
+  double block_bytes(Index L, std::size_t storage) const {
+    return static_cast<double>(L) * (dc() + dr()) * static_cast<double>(storage);
+  }
   Layer make_layer() const { return Layer::random(config, 1); }
   Index d_model() const { return config.d_model; }
   Index query_width() const { return config.query_width(); }

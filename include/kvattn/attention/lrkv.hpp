@@ -55,7 +55,6 @@ class LrkvLayer {
   /// count (or with another layer's workspace) grows it first, which allocates.
   struct Workspace {
     RowVector<T> query;             // 1 x H*d_h   q_h for the shared path (scaled, maybe rotated)
-    RowVector<T> query_transposed;  // 1 x H*d_h   the same as d_h x H
     RowVector<T> query_latent;      // 1 x H*r     q_h (.) g B_h^K (scaled)
     RowVector<T> query_rope;        // 1 x H*d_R   P_i q_h^R (scaled)
     RowVector<T> key;               // 1 x key width    the new token's key row
@@ -393,7 +392,6 @@ class LrkvLayer {
     const Index hr = H * config_.rank;
     auto fit = [](RowVector<T>& v, Index n) { detail::reshape(v, n); };
     fit(ws.query, H * dh);
-    fit(ws.query_transposed, H * dh);
     fit(ws.query_latent, hr);
     fit(ws.query_rope, H * config_.decoupled_dim());
     fit(ws.key, key_width());
@@ -408,51 +406,66 @@ class LrkvLayer {
   }
 
   // Every head against a tile of cached rows (one group: all heads share the rows).
-  // Accumulator row h is [a_h V_s (d_h) | a_h R_h^V (r)].
+  // Accumulator row h is [a_h V_s (d_h) | a_h R_h^V (r)]. A key row is 7 KiB at the
+  // benchmark shape and each phase passes over the tile several times (shared part,
+  // then each head's residual slice), so the tile is kept small enough for L2 and each
+  // phase prefetches what the other reads next: the tile's value rows while its keys
+  // are scored, the next tile's key rows while its values are summed.
   template <class S>
   struct DecodeOps {
     const LrkvCache<T, S>& cache;
-    const T* query;             // H x d_h        scaled (and rotated as the mode says)
-    const T* query_transposed;  // d_h x H
-    const T* query_latent;      // H x r          scaled
-    const T* query_rope;        // H x d_R        scaled, rotated (decoupled)
+    const T* query;         // H x d_h        scaled (and rotated as the mode says)
+    const T* query_latent;  // H x r          scaled
+    const T* query_rope;    // H x d_R        scaled, rotated (decoupled)
     Index heads, head_dim, rank, rope_dim, key_width, value_width;
     bool key_norm;
 
-    void score(Index, Index first, Index n, T* logits, T*) const {
+    // [data, data + bytes) cut in two at `fraction`, for two consecutive kernel calls.
+    static std::pair<detail::Prefetcher, detail::Prefetcher> halves(const void* data, Index bytes,
+                                                                    double fraction) {
+      const Index first = static_cast<Index>(static_cast<double>(bytes) * fraction) / 64 * 64;
+      const char* p = static_cast<const char*>(data);
+      return {detail::Prefetcher(p, first), detail::Prefetcher(p + first, bytes - first)};
+    }
+
+    void score(Index, Index first, Index n, T* logits, Index ld) const {
       const S* rows = cache.key_row(first);
-      const Index ahead = std::min(n, cache.tokens() - first - n);
-      if (ahead > 0) {  // the next tile's rows, while this one computes
-        detail::prefetch_rows(cache.key_row(first + n), key_width, ahead, key_width);
-        detail::prefetch_rows(cache.value_row(first + n), value_width, ahead, value_width);
-      }
-      detail::score(query, query_transposed, heads, head_dim, rows, key_width, n, logits, heads,
-                    false);
-      for (Index h = 0; h < heads && rank > 0; ++h) {
-        detail::score_dot(query_latent + h * rank, rank, 1, rank, rows + head_dim + h * rank,
-                          key_width, n, logits + h, heads, true);
-      }
+      detail::Prefetcher values(cache.value_row(first), n * value_width * Index{sizeof(S)});
+      // q_h . k~_s,t for every head against the shared key (rows read by all heads) + q~_h .
+      // r~_h,t, head h reading its own slice (seg = r), in the same register blocks ...
+      const detail::SecondDot<T> residual{query_latent, rank, rank, head_dim, rank};
+      detail::score_rows(query, head_dim, heads, head_dim, rows, key_width, 0, n, logits, ld, false,
+                         &values, rank > 0 ? &residual : nullptr);
+      // ... / rho_h,t ...
       if (key_norm) {
         for (Index t = 0; t < n; ++t) {
           const auto* rho = cache.rms_row(first + t);
-          for (Index h = 0; h < heads; ++h) logits[t * heads + h] /= static_cast<T>(rho[h]);
+          for (Index h = 0; h < heads; ++h) logits[h * ld + t] /= static_cast<T>(rho[h]);
         }
       }
+      // ... + q^R_h . k~_R,t (decoupled).
       if (rope_dim > 0) {
-        detail::score_dot(query_rope, rope_dim, heads, rope_dim, rows + head_dim + heads * rank,
-                          key_width, n, logits, heads, true);
+        detail::score_rows(query_rope, rope_dim, heads, rope_dim, rows + head_dim + heads * rank,
+                           key_width, 0, n, logits, ld, true);
       }
     }
 
-    void accumulate(Index, Index first, Index n, const T* weights, T* acc, T*) const {
+    void accumulate(Index, Index first, Index n, const T* weights, Index ld, T* acc) const {
       const S* rows = cache.value_row(first);
       const Index acc_stride = head_dim + rank;
-      detail::accumulate(weights, heads, heads, rows, value_width, head_dim, n, acc, acc_stride);
-      for (Index h = 0; h < heads && rank > 0; ++h) {
-        detail::accumulate(weights + h, heads, 1, rows + head_dim + h * rank, value_width, rank, n,
-                           acc + h * acc_stride + head_dim, acc_stride);
+      const Index ahead = std::max<Index>(0, std::min(n, cache.tokens() - first - n));
+      auto [keys_a, keys_b] = halves(cache.key_row(first + n), ahead * key_width * Index{sizeof(S)},
+                                     rank > 0 ? 0.6 : 1.0);
+      // (bf16 shared values are summed in pairs; attend_prepared restores the order.)
+      detail::accumulate_rows(weights, ld, heads, rows, value_width, 0, head_dim, n, acc,
+                              acc_stride, kTokenBlock, &keys_a,
+                              detail::paired_rows<T, S>(head_dim));
+      if (rank > 0) {
+        detail::accumulate_rows(weights, ld, heads, rows + head_dim, value_width, rank, rank, n,
+                                acc + head_dim, acc_stride, kTokenBlock, &keys_b);
       }
     }
+    static constexpr Index kTokenBlock = 16;
   };
 
   // Where a prefill reads key rows, value rows and key RMS rows: the cache, then the
@@ -516,11 +529,8 @@ class LrkvLayer {
     const Index r = config_.rank;
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
     finish_query(position, ws.query.data(), ws.query_latent.data(), ws.query_rope.data());
-    Eigen::Map<RowMatrix<T>>(ws.query_transposed.data(), dh, H) =
-        Eigen::Map<const RowMatrix<T>>(ws.query.data(), H, dh).transpose();
     const DecodeOps<S> ops{cache,
                            ws.query.data(),
-                           ws.query_transposed.data(),
                            ws.query_latent.data(),
                            ws.query_rope.data(),
                            H,
@@ -531,6 +541,9 @@ class LrkvLayer {
                            dh + H * r,
                            config_.key_norm};
     detail::split_attention(plan, ws.split, ops, ws.acc.data());
+    if (detail::paired_rows<T, S>(dh)) {  // bf16 shared values were summed in pairs
+      for (Index h = 0; h < H; ++h) detail::from_paired(ws.acc.row(h).data(), dh);
+    }
     // o_h = a_h V_s + (a_h R_h^V)(B_h^V)^T: one r x d_h product per head, independent of L.
     detail::parallel_for(H, threads, [&](Index h) {
       auto out = Eigen::Map<RowVector<T>>(heads + h * dh, dh);

@@ -152,15 +152,14 @@ class MlaLayer {
   /// make_workspace for a thread count; a call at a larger thread count (or with another
   /// layer's workspace) grows it first, which allocates.
   struct Workspace {
-    RowVector<T> q_latent;             // 1 x d_c'            c_q (with query compression)
-    RowVector<T> query;                // 1 x H*(d_nope+d_R)  [q_h^nope | q_h^R] per head
-    RowVector<T> latent;               // 1 x d_c             the new token's c_kv
-    RowVector<T> rope_key;             // 1 x d_R             the new token's k_R
-    RowMatrix<T> absorbed;             // H x (d_c+d_R)  scale * [q_h^nope W_UK_h^T | q_h^R]
-    RowMatrix<T> absorbed_transposed;  // (d_c+d_R) x H  the same, one column per head
-    RowMatrix<T> latent_heads;         // H x d_c        o-bar_h = sum_t a_h,t c_t
-    RowVector<T> heads;                // 1 x H*d_v      o_h = o-bar_h W_UV_h, all heads
-    detail::SplitScratch<T> split;     // partial softmax states per thread
+    RowVector<T> q_latent;          // 1 x d_c'            c_q (with query compression)
+    RowVector<T> query;             // 1 x H*(d_nope+d_R)  [q_h^nope | q_h^R] per head
+    RowVector<T> latent;            // 1 x d_c             the new token's c_kv
+    RowVector<T> rope_key;          // 1 x d_R             the new token's k_R
+    RowMatrix<T> absorbed;          // H x (d_c+d_R)  scale * [q_h^nope W_UK_h^T | q_h^R]
+    RowMatrix<T> latent_heads;      // H x d_c        o-bar_h = sum_t a_h,t c_t
+    RowVector<T> heads;             // 1 x H*d_v      o_h = o-bar_h W_UV_h, all heads
+    detail::SplitScratch<T> split;  // partial softmax states per thread
   };
 
   /// Validates the config and the weights' shapes (config_error / shape_error).
@@ -427,7 +426,6 @@ class MlaLayer {
     detail::reshape(ws.latent, c.kv_rank);
     detail::reshape(ws.rope_key, c.rope_dim);
     detail::reshape(ws.absorbed, c.n_heads, width);
-    detail::reshape(ws.absorbed_transposed, width, c.n_heads);
     detail::reshape(ws.latent_heads, c.n_heads, c.kv_rank);
     detail::reshape(ws.heads, c.n_heads * c.v_dim);
     const auto plan =
@@ -437,26 +435,41 @@ class MlaLayer {
   }
 
   // All heads against a tile of cached rows [c_t | k_R,t] (one group: every head
-  // shares the rows); the values are the rows' latent columns.
+  // shares the rows); the values are the rows' latent columns. The accumulate re-reads
+  // the tile from L1/L2 (it was just scored), so the two phases together prefetch the
+  // next tile, spread over both loops.
   template <class S>
   struct DecodeOps {
     const MlaCache<T, S>& cache;
-    const T* absorbed;             // H x (d_c + d_R), scaled
-    const T* absorbed_transposed;  // (d_c + d_R) x H
+    const T* absorbed;  // H x (d_c + d_R), scaled
     Index heads;
     Index kv_rank;
     Index width;  // d_c + d_R
 
-    void score(Index, Index first, Index n, T* logits, T*) const {
-      const Index ahead = std::min(n, cache.tokens() - first - n);
-      if (ahead > 0) detail::prefetch_rows(cache.row_data(first + n), width, ahead, width);
-      detail::score(absorbed, absorbed_transposed, heads, width, cache.row_data(first), width, n,
-                    logits, heads, false);
+    // The half of the next tile's bytes phase `half` (0: score, 1: accumulate) prefetches.
+    detail::Prefetcher next_tile(Index first, Index n, int half) const {
+      const Index ahead = std::max<Index>(0, std::min(n, cache.tokens() - first - n));
+      const Index bytes = ahead * width * Index{sizeof(S)};
+      const Index split = bytes / 2 / 64 * 64;
+      return half == 0 ? detail::Prefetcher(cache.row_data(first + n), split)
+                       : detail::Prefetcher(
+                             reinterpret_cast<const char*>(cache.row_data(first + n)) + split,
+                             bytes - split);
     }
-    void accumulate(Index, Index first, Index n, const T* weights, T* acc, T*) const {
-      detail::accumulate(weights, heads, heads, cache.row_data(first), width, kv_rank, n, acc,
-                         kv_rank);
+    void score(Index, Index first, Index n, T* logits, Index ld) const {
+      detail::Prefetcher next = next_tile(first, n, 0);
+      detail::score_rows(absorbed, width, heads, width, cache.row_data(first), width, 0, n, logits,
+                         ld, false, &next);
     }
+    void accumulate(Index, Index first, Index n, const T* weights, Index ld, T* acc) const {
+      detail::Prefetcher next = next_tile(first, n, 1);
+      detail::accumulate_rows(weights, ld, heads, cache.row_data(first), width, 0, kv_rank, n, acc,
+                              kv_rank, kTokenBlock, &next, detail::paired_rows<T, S>(kv_rank));
+    }
+    // Value rows per accumulate block: the whole tile (0), so each register block of
+    // accumulators is loaded and stored once per tile (kernel test at the V2-Lite shape:
+    // 72 GFLOP/s against 64 with blocks of 8 rows).
+    static constexpr Index kTokenBlock = 0;
   };
 
   // The absorbed step for the newest token; ws.query holds its rotated query. Never
@@ -475,12 +488,12 @@ class MlaLayer {
           scale_ * ws.query.segment(h * qd, dn) * weights_.w_uk.middleCols(h * dn, dn).transpose();
       ws.absorbed.row(h).tail(dr) = scale_ * ws.query.segment(h * qd + dn, dr);
     });
-    ws.absorbed_transposed = ws.absorbed.transpose();
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
-    const DecodeOps<S> ops{
-        cache, ws.absorbed.data(),          ws.absorbed_transposed.data(), c.n_heads,
-        dc,    c.cache_elements_per_token()};
+    const DecodeOps<S> ops{cache, ws.absorbed.data(), c.n_heads, dc, c.cache_elements_per_token()};
     detail::split_attention(plan, ws.split, ops, ws.latent_heads.data());
+    if (detail::paired_rows<T, S>(dc)) {  // bf16 latents were summed in pairs
+      for (Index h = 0; h < c.n_heads; ++h) detail::from_paired(ws.latent_heads.row(h).data(), dc);
+    }
     // 3. Up-project each head's latent output by its own W_UV_h: o_h = o-bar_h W_UV_h.
     detail::parallel_for(c.n_heads, threads, [&](Index h) {
       Eigen::Map<RowVector<T>>(heads + h * c.v_dim, c.v_dim).noalias() =

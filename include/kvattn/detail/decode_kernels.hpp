@@ -1,347 +1,582 @@
-// Vectorized tile kernels of the decode step (Eigen packets: SSE, AVX, AVX-512 or
-// NEON, whatever the build targets). Cached rows are read in storage type S and
-// widened to the compute type T in registers; everything accumulates in T.
+// Vectorized tile kernels of the decode step (Eigen packets, see packet_ops.hpp).
+// Cached rows are read in storage type S and widened to the compute type T in
+// registers; everything accumulates in T.
 //
-// Layouts: a tile holds n cached tokens, row t at `rows + t * row_stride`. Logits and
-// softmax weights are token-major, w[t * w_stride + i] for query row i, so a tile's
-// online-softmax update is vectorized over query rows.
+// Shapes (rows are tokens): a tile holds n cached tokens, token t's row at
+// `rows + t * row_stride`. Logits and softmax weights are query-major, w[i * ld + t]
+// for query row i < G and token t < n, so the online softmax between the two kernels
+// runs along tokens, vectorized whatever G is (one query row per group for MHA).
+// Query row i reads the columns at i * seg of every cached row: seg = 0 when all rows
+// share the keys (a KV group, MLA's latent, LRKV's shared key), seg = r for LRKV's
+// per-head residual slices.
 //
-//   score_dot        logits of a few query rows (G small): one dot product per
-//                    (token, query), several tokens in flight to hide FMA latency;
-//   score_broadcast  logits of many query rows (G a multiple of the packet size):
-//                    the query block lives in registers, each cached element is
-//                    broadcast once and multiplies every query row at once (no
-//                    horizontal reductions);
-//   accumulate       acc (G x d_v) += w^T V_tile, register-blocked 4 query rows x
-//                    4 packets of value columns.
+//   score_rows       logits = Q K_tile^T: blocks of M query rows x B tokens, one
+//                    accumulator packet per (row, token) in flight (12 on 16-register
+//                    ISAs, 16 on 32-register ones: enough independent FMA chains to
+//                    cover the FMA latency), so a query packet serves B tokens and a
+//                    shared key packet M rows; a block's dot products are reduced
+//                    together, P at a time, by one transpose-and-add (sum_lanes),
+//                    never one horizontal sum per token. The B tokens of a block are
+//                    not neighbours but B lanes spread over the tile, each walking its
+//                    own stretch front to back, so the hardware prefetcher sees B long
+//                    sequential streams (see score_block).
+//   accumulate_rows  acc (G x d_v) += W V_tile: M rows x D packets of columns held in
+//                    registers while the tokens stream by (one broadcast weight per row
+//                    and D value packets per token).
+// Widths that are not a multiple of P (LRKV's r = 54) end with one overlapping packet
+// whose repeated lanes are zeroed (packet_ops.hpp: zero_first), not a scalar loop.
+// Widths below P take a plain scalar loop. bf16 rows may be read 16 elements at a time
+// as an even- and an odd-indexed packet (the "paired" layout, packet_ops.hpp).
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 
-#include <Eigen/Core>
-
 #include "kvattn/core/types.hpp"
-
-// Register blocks are small arrays indexed by constant-trip loops; they must be
-// fully unrolled so the arrays live in registers, not on the stack.
-#if defined(__clang__)
-#define KVATTN_UNROLL _Pragma("unroll")
-#elif defined(__GNUC__)
-#define KVATTN_UNROLL _Pragma("GCC unroll 16")
-#else
-#define KVATTN_UNROLL
-#endif
+#include "kvattn/detail/packet_ops.hpp"
 
 namespace kvattn::detail {
 
-namespace ei = Eigen::internal;
+/// Accumulator packets one register block keeps in flight: 12 of 16 registers (AVX2,
+/// SSE) leaves room for the operands; 16 of 32 (AVX-512, AArch64 NEON).
+inline constexpr int kBlockAccumulators = many_registers ? 16 : 12;
 
-template <class T>
-using Packet = typename ei::packet_traits<T>::type;
-
-template <class T>
-inline constexpr Index packet_size = ei::unpacket_traits<Packet<T>>::size;
-
-/// Register blocks are sized so accumulators, operands and a broadcast fit in the
-/// vector registers: 16 (SSE, AVX2, NEON-32) or 32 (AVX-512, NEON-64).
-inline constexpr bool many_registers = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
-
-/// Asks for `count` rows of `row_bytes` bytes, `row_stride` elements apart, to be
-/// brought into cache ahead of use: the decode driver touches the next tile while it
-/// computes on this one, so the memory system always has a stream of requests in
-/// flight (the hardware prefetcher alone stalls on the tile's access pattern).
-template <class S>
-inline void prefetch_rows(const S* rows, Index row_stride, Index count, Index row_elements) {
-#if defined(__GNUC__) || defined(__clang__)
-  const Index row_bytes = row_elements * static_cast<Index>(sizeof(S));
-  for (Index t = 0; t < count; ++t) {
-    const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
-    for (Index b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
-  }
-#else
-  (void)rows, (void)row_stride, (void)count, (void)row_elements;
-#endif
+/// Query rows per register block (as many as are left, up to 4 with 32 registers, 2
+/// with 16). With 16 registers, 2 rows x 6 tokens (or columns) load 2 + 6 packets per
+/// 12 FMAs and keep every operand in a register; 4 x 3 would not fit, and the compiler
+/// then reloads the shared packet for every row (16 loads per 12 FMAs: load-bound).
+constexpr int block_rows(Index left) {
+  constexpr Index most = many_registers ? 4 : 2;
+  return static_cast<int>(std::min(left, most) >= 4 ? 4 : (std::min(left, most) >= 2 ? 2 : 1));
 }
 
-/// P consecutive elements of storage type S as one packet of T.
-template <class T, class S>
-inline Packet<T> load_widened(const S* from) {
-  if constexpr (std::is_same_v<S, T>) {
-    return ei::ploadu<Packet<T>>(from);
-  } else {
-#if defined(EIGEN_VECTORIZE_AVX512)
-    if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
-                  packet_size<T> == 16) {
-      return ei::pcast<ei::Packet16bf, ei::Packet16f>(ei::ploadu<ei::Packet16bf>(from));
-    }
-#elif defined(EIGEN_VECTORIZE_AVX)
-    if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
-                  packet_size<T> == 8) {
-      return ei::pcast<ei::Packet8bf, ei::Packet8f>(ei::ploadu<ei::Packet8bf>(from));
-    }
-#endif
-    // Portable path: widen through a small stack array.
-    alignas(64) T widened[packet_size<T>];
-    for (Index k = 0; k < packet_size<T>; ++k) widened[k] = static_cast<T>(from[k]);
-    return ei::pload<Packet<T>>(widened);
-  }
-}
+/// A second dot product added into the same logits by score_rows: query row i's
+/// q + i * q_stride (dk wide) against the columns offset + i * seg of every cached row
+/// (LRKV's residual q~_h . r~_h,t beside the shared q_h . k~_s,t). One register block
+/// then carries both parts and is reduced once, and each row's residual slice is read
+/// right after its shared part, keeping the tile's reading order front to back.
+template <class T>
+struct SecondDot {
+  const T* q = nullptr;
+  Index q_stride = 0;
+  Index dk = 0;
+  Index offset = 0;
+  Index seg = 0;
+};
 
-/// logits[t * w_stride + i] (+)= q_i . k_t for i < G, t < n (q: G x dk rows of stride
-/// q_stride; k_t = rows + t * row_stride). With `add`, the logits are added to.
-///
-/// B adjacent tokens x M query rows are in flight (one accumulator chain each), so
-/// each loaded query packet serves B tokens and each key packet M queries; the B rows
-/// are contiguous in memory, so the tile still streams front to back.
-template <class T, class S>
-void score_dot(const T* q, Index q_stride, Index G, Index dk, const S* rows, Index row_stride,
-               Index n, T* logits, Index w_stride, bool add) {
+namespace kernels {
+
+// How query row i finds its columns in a cached row: all at the same offset (kShared),
+// at i * seg (kSegmented), or at the same offset with bf16 elements read 16 at a time
+// as an even and an odd packet (kPaired, packet_ops.hpp: bf16_even / bf16_odd).
+inline constexpr int kShared = 0;
+inline constexpr int kSegmented = 1;
+inline constexpr int kPaired = 2;
+
+// One score block: rows [0, M) of q (row stride q_stride, dk wide, dk >= P) against B
+// tokens of k: lane b takes token t0 + b * span (< n; lanes past n re-read the last
+// row, never memory past the tile, and their sums are dropped). Row m reads
+// k + m * seg when Segmented. out (row stride ld) is the logits of row 0 at token t0.
+//
+// The lanes are span tokens apart, each walking its own contiguous stretch of the
+// tile (score_rows sets span = the tile / B): read side by side, B neighbouring rows
+// are B streams of one row each, too short for the hardware prefetchers, while B
+// stretches are B long sequential streams that they follow.
+template <class T, class S, int M, int B, int Layout>
+inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index k_stride, Index seg,
+                        Index t0, Index span, Index n, T* out, Index ld, bool add,
+                        Prefetcher* prefetch, const SecondDot<T>* second) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
-  const Index full = dk / P * P;
-  auto block = [&]<int M, int B>(Index i0, Index t0) {
-    Packet<T> acc[B][M];
+  constexpr int A = M * B;
+  constexpr int R = static_cast<int>((A + P - 1) / P);  // packets of sums
+  const S* row[B];
+  KVATTN_UNROLL
+  for (int b = 0; b < B; ++b) row[b] = k + std::min(t0 + b * span, n - 1) * k_stride;
+  Packet<T> acc[R * P];
+  KVATTN_UNROLL
+  for (int a = 0; a < R * P; ++a) acc[a] = ei::pset1<Packet<T>>(T(0));
+  auto step = [&](Index j, Index skip) {
+    if (prefetch != nullptr) prefetch->step();
+    Packet<T> qp[M];
+    KVATTN_UNROLL
+    for (int m = 0; m < M; ++m) {
+      qp[m] = ei::ploadu<Packet<T>>(q + m * q_stride + j);
+      if (skip > 0) qp[m] = zero_first<T>(qp[m], skip);
+    }
     KVATTN_UNROLL
     for (int b = 0; b < B; ++b) {
-      KVATTN_UNROLL
-      for (int m = 0; m < M; ++m) acc[b][m] = ei::pset1<Packet<T>>(T(0));
+      if constexpr (Segmented) {
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) {
+          Packet<T> kp = load_widened<T>(row[b] + m * seg + j);
+          if (skip > 0) kp = zero_first<T>(kp, skip);
+          acc[m * B + b] = ei::pmadd(qp[m], kp, acc[m * B + b]);
+        }
+      } else {
+        Packet<T> kp = load_widened<T>(row[b] + j);
+        if (skip > 0) kp = zero_first<T>(kp, skip);
+        if constexpr (M > 1) keep_in_register(kp);
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) acc[m * B + b] = ei::pmadd(qp[m], kp, acc[m * B + b]);
+      }
     }
-    for (Index j = 0; j < full; j += P) {
+  };
+  if constexpr (Paired) {
+    // 16 bf16 elements per load, the even-indexed ones in one pass over the block's
+    // rows, the odd-indexed in a second (the reload hits L1), so that one key packet
+    // at a time is live (12 accumulators + M queries + 1).
+#if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 builds
+    if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8) {
+      for (Index j = 0; j < dk; j += 2 * P) {
+        KVATTN_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          if (prefetch != nullptr) prefetch->step();
+          Packet<T> qp[M];
+          KVATTN_UNROLL
+          for (int m = 0; m < M; ++m)
+            qp[m] = ei::ploadu<Packet<T>>(q + m * q_stride + j + half * P);
+          KVATTN_UNROLL
+          for (int b = 0; b < B; ++b) {
+            const __m256i raw = load_bf16_raw(row[b] + j);
+            Packet<T> kp = half == 0 ? bf16_even(raw) : bf16_odd(raw);
+            if constexpr (M > 1) keep_in_register(kp);
+            KVATTN_UNROLL
+            for (int m = 0; m < M; ++m) acc[m * B + b] = ei::pmadd(qp[m], kp, acc[m * B + b]);
+          }
+        }
+      }
+    }
+#endif
+  } else {
+    const Index full = dk / P * P;
+    for (Index j = 0; j < full; j += P) step(j, 0);
+    // The overlapping last packet, its repeated lanes zeroed in both operands.
+    if (full < dk) step(dk - P, P - (dk - full));
+  }
+  if (second != nullptr && second->dk >= P) {
+    // Row m's own slice of each cached row, into the same accumulators.
+    auto step2 = [&](Index j, Index skip) {
       Packet<T> qp[M];
       KVATTN_UNROLL
-      for (int m = 0; m < M; ++m) qp[m] = ei::ploadu<Packet<T>>(q + (i0 + m) * q_stride + j);
+      for (int m = 0; m < M; ++m) {
+        qp[m] = ei::ploadu<Packet<T>>(second->q + m * second->q_stride + j);
+        if (skip > 0) qp[m] = zero_first<T>(qp[m], skip);
+      }
       KVATTN_UNROLL
       for (int b = 0; b < B; ++b) {
-        const Packet<T> kp = load_widened<T>(rows + (t0 + b) * row_stride + j);
         KVATTN_UNROLL
-        for (int m = 0; m < M; ++m) acc[b][m] = ei::pmadd(qp[m], kp, acc[b][m]);
+        for (int m = 0; m < M; ++m) {
+          Packet<T> kp = load_widened<T>(row[b] + second->offset + m * second->seg + j);
+          if (skip > 0) kp = zero_first<T>(kp, skip);
+          acc[m * B + b] = ei::pmadd(qp[m], kp, acc[m * B + b]);
+        }
       }
-    }
+    };
+    const Index dk2 = second->dk, full2 = dk2 / P * P;
+    for (Index j = 0; j < full2; j += P) step2(j, 0);
+    if (full2 < dk2) step2(dk2 - P, P - (dk2 - full2));
+  }
+  alignas(64) T lanes[R * P];
+  KVATTN_UNROLL
+  for (int r = 0; r < R; ++r) ei::pstore(lanes + r * P, sum_lanes<T>(acc + r * P));
+  // Constant-trip loops: a runtime bound here becomes a memcpy call per row.
+  KVATTN_UNROLL
+  for (int m = 0; m < M; ++m) {
     KVATTN_UNROLL
     for (int b = 0; b < B; ++b) {
-      const S* k = rows + (t0 + b) * row_stride;
-      KVATTN_UNROLL
-      for (int m = 0; m < M; ++m) {
-        const T* qi = q + (i0 + m) * q_stride;
-        T s = ei::predux(acc[b][m]);
-        for (Index jj = full; jj < dk; ++jj) s += qi[jj] * static_cast<T>(k[jj]);
-        T& out = logits[(t0 + b) * w_stride + i0 + m];
-        out = add ? out + s : s;
+      if (t0 + b * span < n) {
+        T& o = out[m * ld + b * span];
+        o = add ? o + lanes[m * B + b] : lanes[m * B + b];
       }
     }
-  };
-  auto run_rows = [&]<int M, int B>(Index i0) {
-    Index t0 = 0;
-    for (; t0 + B <= n; t0 += B) block.template operator()<M, B>(i0, t0);
-    for (; t0 < n; ++t0) block.template operator()<M, 1>(i0, t0);
-  };
-  Index i0 = 0;
-  for (; i0 + 4 <= G; i0 += 4) run_rows.template operator()<4, 2>(i0);
-  switch (G - i0) {
-    case 3:
-      run_rows.template operator()<3, 2>(i0);
-      break;
-    case 2:
-      run_rows.template operator()<2, 4>(i0);
-      break;
-    case 1:
-      run_rows.template operator()<1, 4>(i0);
-      break;
-    default:
-      break;
   }
 }
 
-/// logits[t * w_stride + i] (+)= q_i . k_t as score_dot, for G a multiple of the
-/// packet size, from the transposed query block qt (dk x G, row j holds q_.j).
-template <class T, class S>
-void score_broadcast(const T* qt, Index G, Index dk, const S* rows, Index row_stride, Index n,
-                     T* logits, Index w_stride, bool add) {
-  constexpr Index P = packet_size<T>;
-  // B tokens x Q packets of query rows in registers.
-  auto block = [&]<int Q, int B>(Index i0, Index t0) {
-    Packet<T> acc[B][Q];
-    KVATTN_UNROLL
-    for (int b = 0; b < B; ++b) KVATTN_UNROLL
-    for (int c = 0; c < Q; ++c) acc[b][c] = ei::pset1<Packet<T>>(T(0));
-    const S* k[B];
-    KVATTN_UNROLL
-    for (int b = 0; b < B; ++b) k[b] = rows + (t0 + b) * row_stride;
-    for (Index j = 0; j < dk; ++j) {
-      Packet<T> qp[Q];
-      KVATTN_UNROLL
-      for (int c = 0; c < Q; ++c) qp[c] = ei::ploadu<Packet<T>>(qt + j * G + i0 + c * P);
-      KVATTN_UNROLL
-      for (int b = 0; b < B; ++b) {
-        const Packet<T> kv = ei::pset1<Packet<T>>(static_cast<T>(k[b][j]));
-        KVATTN_UNROLL
-        for (int c = 0; c < Q; ++c) acc[b][c] = ei::pmadd(qp[c], kv, acc[b][c]);
-      }
-    }
-    KVATTN_UNROLL
-    for (int b = 0; b < B; ++b) {
-      KVATTN_UNROLL
-      for (int c = 0; c < Q; ++c) {
-        T* out = logits + (t0 + b) * w_stride + i0 + c * P;
-        const Packet<T> value = add ? ei::padd(ei::ploadu<Packet<T>>(out), acc[b][c]) : acc[b][c];
-        ei::pstoreu(out, value);
-      }
-    }
-  };
-  auto run_rows = [&]<int Q, int B>(Index i0) {
-    Index t0 = 0;
-    for (; t0 + B <= n; t0 += B) block.template operator()<Q, B>(i0, t0);
-    for (; t0 < n; ++t0) block.template operator()<Q, 1>(i0, t0);
-  };
-  Index i0 = 0;
-  if constexpr (many_registers) {
-    for (; i0 + 4 * P <= G; i0 += 4 * P) run_rows.template operator()<4, 4>(i0);
+// Lanes per score block for a call over G rows: every block of the call uses the same
+// B (the first block's, kBlockAccumulators / its rows), so all share one lane layout.
+constexpr int score_lanes(Index G) { return kBlockAccumulators / block_rows(G); }
+
+// One block of rows [i0, i0 + M) at step i (tokens i, i + span, ...), B lanes.
+template <class T, class S, int Layout, int B>
+inline void score_step(int M, const T* q, Index q_stride, Index dk, const S* k, Index k_stride,
+                       Index seg, Index i0, Index i, Index span, Index n, T* logits, Index ld,
+                       bool add, Prefetcher* prefetch, const SecondDot<T>* second) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
+  const T* qi = q + i0 * q_stride;
+  const S* ki = Segmented ? k + i0 * seg : k;
+  T* out = logits + i0 * ld + i;
+  SecondDot<T> chunk;  // the second dot's rows [i0, i0 + M)
+  if (second != nullptr) {
+    chunk = *second;
+    chunk.q += i0 * chunk.q_stride;
+    chunk.offset += i0 * chunk.seg;
+  }
+  const SecondDot<T>* sd = second != nullptr ? &chunk : nullptr;
+  if (M == 4) {
+    if constexpr (4 * B <= kBlockAccumulators)
+      score_block<T, S, 4, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld, add,
+                                      prefetch, sd);
+  } else if (M == 2) {
+    if constexpr (2 * B <= kBlockAccumulators)
+      score_block<T, S, 2, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld, add,
+                                      prefetch, sd);
   } else {
-    for (; i0 + 4 * P <= G; i0 += 4 * P) run_rows.template operator()<4, 2>(i0);
+    score_block<T, S, 1, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld, add,
+                                    prefetch, sd);
   }
-  for (; i0 + 2 * P <= G; i0 += 2 * P) run_rows.template operator()<2, 4>(i0);
-  for (; i0 + P <= G; i0 += P) run_rows.template operator()<1, 8>(i0);
 }
 
-/// acc_i += sum_t w[t * w_stride + i] v_t for G <= 4 query rows, visiting the value
-/// rows in order, two at a time (streaming order; acc stays in L1). Each loaded value
-/// packet serves every query row, and the weights of the two tokens stay in registers.
-template <class T, class S>
-void accumulate_streaming(const T* w, Index w_stride, Index G, const S* rows, Index row_stride,
-                          Index dv, Index n, T* acc, Index acc_stride) {
+// Steps are the outer loop: the B rows a step reads come from memory once and serve
+// every block of query rows from L1. (Per FMA a block loads 32 / M bytes of keys and
+// 32 / B of queries: the keys must be the operand in L1; the queries, up to MLA-V2's
+// 128 x 576, may stream from L2.)
+template <class T, class S, int Layout, int B>
+void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
+                      Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch,
+                      const SecondDot<T>* second) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
-  const Index full = dv / P * P;
-  auto run = [&]<int M>() {
-    Index t = 0;
-    for (; t + 2 <= n; t += 2) {
-      const S* v0 = rows + t * row_stride;
-      const S* v1 = v0 + row_stride;
-      Packet<T> w0[M], w1[M];
-      KVATTN_UNROLL
-      for (int m = 0; m < M; ++m) {
-        w0[m] = ei::pset1<Packet<T>>(w[t * w_stride + m]);
-        w1[m] = ei::pset1<Packet<T>>(w[(t + 1) * w_stride + m]);
-      }
-      for (Index j = 0; j < full; j += P) {
-        const Packet<T> a0 = load_widened<T>(v0 + j);
-        const Packet<T> a1 = load_widened<T>(v1 + j);
-        KVATTN_UNROLL
-        for (int m = 0; m < M; ++m) {
-          T* a = acc + m * acc_stride + j;
-          ei::pstoreu(a, ei::pmadd(w1[m], a1, ei::pmadd(w0[m], a0, ei::ploadu<Packet<T>>(a))));
-        }
-      }
-      for (Index j = full; j < dv; ++j) {
-        for (int m = 0; m < M; ++m) {
-          acc[m * acc_stride + j] += w[t * w_stride + m] * static_cast<T>(v0[j]) +
-                                     w[(t + 1) * w_stride + m] * static_cast<T>(v1[j]);
-        }
-      }
+  const Index span = (n + B - 1) / B;
+  Index chunks = 0;
+  for (Index i0 = 0; i0 < G; i0 += block_rows(G - i0)) ++chunks;
+  const Index dk2 = second != nullptr ? second->dk : 0;
+  if (prefetch != nullptr) prefetch->plan(chunks * span * ((dk + P - 1) / P + (dk2 + P - 1) / P));
+  for (Index i = 0; i < span; ++i) {
+    for (Index i0 = 0; i0 < G;) {
+      const int M = block_rows(G - i0);
+      score_step<T, S, Layout, B>(M, q, q_stride, dk, k, k_stride, seg, i0, i, span, n, logits, ld,
+                                  add, prefetch, second);
+      i0 += M;
     }
-    for (; t < n; ++t) {
-      const S* v = rows + t * row_stride;
-      for (int m = 0; m < M; ++m) {
-        const T weight = w[t * w_stride + m];
-        const Packet<T> wp = ei::pset1<Packet<T>>(weight);
-        T* a = acc + m * acc_stride;
-        for (Index j = 0; j < full; j += P) {
-          ei::pstoreu(a + j, ei::pmadd(wp, load_widened<T>(v + j), ei::ploadu<Packet<T>>(a + j)));
-        }
-        for (Index j = full; j < dv; ++j) a[j] += weight * static_cast<T>(v[j]);
-      }
-    }
-  };
-  switch (G) {
-    case 4:
-      run.template operator()<4>();
+  }
+}
+
+template <class T, class S, int Layout>
+void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
+                Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch,
+                const SecondDot<T>* second) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
+  constexpr int B4 = kBlockAccumulators / 4, B2 = kBlockAccumulators / 2, B1 = kBlockAccumulators;
+  switch (score_lanes(G)) {
+    case B4:
+      score_rows_lanes<T, S, Layout, B4>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
+                                         prefetch, second);
       break;
-    case 3:
-      run.template operator()<3>();
-      break;
-    case 2:
-      run.template operator()<2>();
+    case B2:
+      score_rows_lanes<T, S, Layout, B2>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
+                                         prefetch, second);
       break;
     default:
-      run.template operator()<1>();
+      score_rows_lanes<T, S, Layout, B1>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
+                                         prefetch, second);
       break;
   }
 }
 
-/// acc_i (+)= sum_t w[t * w_stride + i] v_t for i < G, v_t = rows + t * row_stride
-/// (dv wide); acc row i at acc + i * acc_stride.
-template <class T, class S>
-void accumulate(const T* w, Index w_stride, Index G, const S* rows, Index row_stride, Index dv,
-                Index n, T* acc, Index acc_stride) {
+// One accumulate block: acc rows [0, M) x D packets of columns (acc row stride
+// acc_stride, w row stride ld, both already offset to the block) over tokens
+// [t_begin, t_end) of v (already offset to the block's first column); row m reads
+// v + m * seg when Segmented. Packet d sits at column d * P, except the last one, at
+// column `last`: the overlapping tail packet of a row when skip > 0 (its first `skip`
+// lanes zeroed), so a tail shares a block with full packets instead of running alone
+// with too few independent accumulators (LRKV's r = 54: 6 packets + the tail).
+template <class T, class S, int M, int D, int Layout, bool Tail>
+inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, Index seg,
+                             Index t_begin, Index t_end, T* acc, Index acc_stride, Index last,
+                             Index skip, Prefetcher* prefetch) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
-  if (G <= 4) {  // memory-bound: stream the rows in order
-    accumulate_streaming(w, w_stride, G, rows, row_stride, dv, n, acc, acc_stride);
+  // Column of packet d (a compile-time offset but for a tail packet).
+  auto column = [last](int d) { return Tail && d == D - 1 ? last : d * P; };
+  // The tail's repeated lanes, cleared with one and-not per token.
+  Packet<T> repeated = ei::pset1<Packet<T>>(T(0));
+  if constexpr (Tail) {
+    repeated = ei::pcmp_lt(ei::plset<Packet<T>>(T(0)), ei::pset1<Packet<T>>(static_cast<T>(skip)));
+  }
+  Packet<T> a[M][D];
+  KVATTN_UNROLL
+  for (int m = 0; m < M; ++m) {
+    KVATTN_UNROLL
+    for (int d = 0; d < D; ++d) a[m][d] = ei::ploadu<Packet<T>>(acc + m * acc_stride + column(d));
+  }
+  for (Index t = t_begin; t < t_end; ++t) {
+    if (prefetch != nullptr) prefetch->step();
+    const S* vt = v + t * v_stride;
+    if constexpr (Segmented) {
+      KVATTN_UNROLL
+      for (int m = 0; m < M; ++m) {
+        const Packet<T> weight = ei::pset1<Packet<T>>(w[m * ld + t]);
+        KVATTN_UNROLL
+        for (int d = 0; d < D; ++d) {
+          Packet<T> vp = load_widened<T>(vt + m * seg + column(d));
+          if constexpr (Tail) {
+            if (d == D - 1) vp = ei::pandnot(vp, repeated);
+          }
+          a[m][d] = ei::pmadd(weight, vp, a[m][d]);
+        }
+      }
+    } else if constexpr (Paired) {
+      // 16 bf16 columns per load: the even-indexed into packet d, the odd into d + 1
+      // (the accumulator row is in paired order; D is even).
+#if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 builds
+      if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8 && D % 2 == 0) {
+        Packet<T> weight[M];
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) weight[m] = ei::pset1<Packet<T>>(w[m * ld + t]);
+        KVATTN_UNROLL
+        for (int d = 0; d < D; d += 2) {
+          const __m256i raw = load_bf16_raw(vt + d * P);
+          Packet<T> even = bf16_even(raw);
+          if constexpr (M > 1) keep_in_register(even);
+          KVATTN_UNROLL
+          for (int m = 0; m < M; ++m) a[m][d] = ei::pmadd(weight[m], even, a[m][d]);
+          Packet<T> odd = bf16_odd(raw);
+          if constexpr (M > 1) keep_in_register(odd);
+          KVATTN_UNROLL
+          for (int m = 0; m < M; ++m) a[m][d + 1] = ei::pmadd(weight[m], odd, a[m][d + 1]);
+        }
+      }
+#endif
+    } else {
+      Packet<T> weight[M];
+      KVATTN_UNROLL
+      for (int m = 0; m < M; ++m) weight[m] = ei::pset1<Packet<T>>(w[m * ld + t]);
+      // One value packet live at a time, used by every row (M + 1 + M * D registers).
+      KVATTN_UNROLL
+      for (int d = 0; d < D; ++d) {
+        Packet<T> vp = load_widened<T>(vt + column(d));
+        if constexpr (Tail) {
+          if (d == D - 1) vp = ei::pandnot(vp, repeated);
+        }
+        if constexpr (M > 1) keep_in_register(vp);
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) a[m][d] = ei::pmadd(weight[m], vp, a[m][d]);
+      }
+    }
+  }
+  // The last packet first: when it is an overlapping tail, its repeated lanes hold the
+  // accumulators as loaded, and the previous packet's store must win there.
+  KVATTN_UNROLL
+  for (int m = 0; m < M; ++m) {
+    ei::pstoreu(acc + m * acc_stride + column(D - 1), a[m][D - 1]);
+    KVATTN_UNROLL
+    for (int d = 0; d < D - 1; ++d) ei::pstoreu(acc + m * acc_stride + column(d), a[m][d]);
+  }
+}
+
+// accumulate_block with a run-time D in [1, Dmax] (the compile-time widths it dispatches
+// to); skip > 0 makes packet D - 1 an overlapping tail at column `last`.
+template <class T, class S, int M, int Layout, int Dmax>
+inline void accumulate_block_n(int D, const T* w, Index ld, const S* v, Index v_stride, Index seg,
+                               Index t_begin, Index t_end, T* acc, Index acc_stride, Index last,
+                               Index skip, Prefetcher* prefetch) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
+  if constexpr (Dmax >= 1) {
+    if (D == Dmax) {
+      if (skip > 0) {
+        accumulate_block<T, S, M, Dmax, Layout, true>(w, ld, v, v_stride, seg, t_begin, t_end, acc,
+                                                      acc_stride, last, skip, prefetch);
+      } else {
+        accumulate_block<T, S, M, Dmax, Layout, false>(w, ld, v, v_stride, seg, t_begin, t_end, acc,
+                                                       acc_stride, last, 0, prefetch);
+      }
+    } else {
+      accumulate_block_n<T, S, M, Layout, Dmax - 1>(D, w, ld, v, v_stride, seg, t_begin, t_end, acc,
+                                                    acc_stride, last, skip, prefetch);
+    }
+  }
+}
+
+// Column blocks accumulate_span cuts dv (>= P) into: the packets of a row (the
+// overlapping tail one included) in blocks of equal width, at most
+// kBlockAccumulators / M, so no block is left with too few independent accumulators to
+// cover the FMA latency.
+template <class T>
+inline Index accumulate_column_blocks(int M, Index dv) {
+  constexpr Index P = packet_size<T>;
+  const Index packets = (dv + P - 1) / P;
+  const Index Dmax = kBlockAccumulators / M;
+  return (packets + Dmax - 1) / Dmax;
+}
+
+// Every column of rows [0, M) over tokens [t_begin, t_end).
+template <class T, class S, int M, int Layout>
+inline void accumulate_span(const T* w, Index ld, const S* v, Index v_stride, Index seg, Index dv,
+                            Index t_begin, Index t_end, T* acc, Index acc_stride,
+                            Prefetcher* prefetch) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
+  constexpr Index P = packet_size<T>;
+  constexpr int Dmax = kBlockAccumulators / M;
+  const Index packets = (dv + P - 1) / P;  // the last one overlaps when P does not divide dv
+  const Index blocks = accumulate_column_blocks<T>(M, dv);
+  Index width = (packets + blocks - 1) / blocks;
+  if constexpr (Paired) width += width % 2;  // whole pairs (packets is even)
+  Index d0 = 0;
+  for (Index left = packets; left > 0;) {
+    const int D = static_cast<int>(std::min(width, left));
+    left -= D;
+    // The block's last packet: the row's overlapping tail in the final block.
+    const bool tail = left == 0 && dv % P != 0;
+    const Index last = tail ? dv - P - d0 : (D - 1) * P;
+    const Index skip = tail ? P - dv % P : 0;
+    accumulate_block_n<T, S, M, Layout, Dmax>(D, w, ld, v + d0, v_stride, seg, t_begin, t_end,
+                                              acc + d0, acc_stride, last, skip, prefetch);
+    d0 += D * P;
+  }
+}
+
+template <class T, class S, int Layout>
+void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, Index seg, Index dv,
+                     Index n, T* acc, Index acc_stride, Index token_block, Prefetcher* prefetch) {
+  constexpr bool Segmented = Layout == kSegmented;
+  constexpr bool Paired = Layout == kPaired;
+  (void)Segmented, (void)Paired;
+  const Index block = token_block > 0 ? token_block : n;
+  if (prefetch != nullptr) {
+    Index column_blocks = 0;
+    for (Index i0 = 0; i0 < G; i0 += block_rows(G - i0)) {
+      column_blocks += accumulate_column_blocks<T>(block_rows(G - i0), dv);
+    }
+    prefetch->plan(column_blocks * n);  // one step per token of every block
+  }
+  for (Index t0 = 0; t0 < n; t0 += block) {
+    const Index t_end = std::min(n, t0 + block);
+    for (Index i0 = 0; i0 < G;) {
+      const int M = block_rows(G - i0);
+      const T* wi = w + i0 * ld;
+      const S* vi = Segmented ? v + i0 * seg : v;
+      T* ai = acc + i0 * acc_stride;
+      if (M == 4) {
+        accumulate_span<T, S, 4, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
+                                         prefetch);
+      } else if (M == 2) {
+        accumulate_span<T, S, 2, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
+                                         prefetch);
+      } else {
+        accumulate_span<T, S, 1, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
+                                         prefetch);
+      }
+      i0 += M;
+    }
+  }
+}
+
+}  // namespace kernels
+
+/// logits[i * ld + t] (+)= q_i . k_t,i for i < G, t < n: q_i = q + i * q_stride (dk
+/// wide), k_t,i = k + t * k_stride + i * seg (storage S; seg = 0: every row reads the
+/// same keys). With `add` the logits are added to. `prefetch` (optional) is stepped
+/// along the way (see Prefetcher) and finished at the end. `second` (optional) adds a
+/// second, per-row dot product into the same logits (see SecondDot). `paired`: the rows
+/// are read in pairs (packet_ops.hpp), and q is in paired order; only where
+/// paired_rows<T, S>(dk) and seg == 0.
+template <class T, class S>
+void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
+                Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch = nullptr,
+                const std::type_identity_t<SecondDot<T>>* second = nullptr, bool paired = false) {
+  constexpr Index P = packet_size<T>;
+  if constexpr (kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>) {
+    if (paired && paired_rows<T, S>(dk) && seg == 0) {
+      const bool narrow = second != nullptr && second->dk < P;
+      if (n > 0 && G > 0) {
+        kernels::score_rows<T, S, kernels::kPaired>(q, q_stride, G, dk, k, k_stride, 0, n, logits,
+                                                    ld, add, prefetch, narrow ? nullptr : second);
+      }
+      if (prefetch != nullptr) prefetch->finish();
+      if (narrow) {
+        score_rows(second->q, second->q_stride, G, second->dk, k + second->offset, k_stride,
+                   second->seg, n, logits, ld, true);
+      }
+      return;
+    }
+  }
+  (void)paired;
+  if (second != nullptr && (dk < P || second->dk < P || seg != 0)) {
+    // Narrow parts: the two dot products one after the other.
+    score_rows(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add, prefetch);
+    score_rows(second->q, second->q_stride, G, second->dk, k + second->offset, k_stride,
+               second->seg, n, logits, ld, true);
     return;
   }
-  auto block = [&]<int M, int D>(Index i0, Index d0) {
-    Packet<T> a[M][D];
-    KVATTN_UNROLL
-    for (int m = 0; m < M; ++m) KVATTN_UNROLL
-    for (int d = 0; d < D; ++d)
-      a[m][d] = ei::ploadu<Packet<T>>(acc + (i0 + m) * acc_stride + d0 + d * P);
-    for (Index t = 0; t < n; ++t) {
-      Packet<T> v[D];
-      KVATTN_UNROLL
-      for (int d = 0; d < D; ++d) v[d] = load_widened<T>(rows + t * row_stride + d0 + d * P);
-      KVATTN_UNROLL
-      for (int m = 0; m < M; ++m) {
-        const Packet<T> weight = ei::pset1<Packet<T>>(w[t * w_stride + i0 + m]);
-        KVATTN_UNROLL
-        for (int d = 0; d < D; ++d) a[m][d] = ei::pmadd(weight, v[d], a[m][d]);
-      }
-    }
-    KVATTN_UNROLL
-    for (int m = 0; m < M; ++m) KVATTN_UNROLL
-    for (int d = 0; d < D; ++d) ei::pstoreu(acc + (i0 + m) * acc_stride + d0 + d * P, a[m][d]);
-  };
-  auto run_columns = [&]<int M>(Index i0) {
-    Index d0 = 0;
-    if constexpr (many_registers || M <= 2) {
-      for (; d0 + 4 * P <= dv; d0 += 4 * P) block.template operator()<M, 4>(i0, d0);
-    } else {
-      for (; d0 + 2 * P <= dv; d0 += 2 * P) block.template operator()<M, 2>(i0, d0);
-    }
-    for (; d0 + P <= dv; d0 += P) block.template operator()<M, 1>(i0, d0);
-    for (; d0 < dv; ++d0) {  // scalar tail columns
-      for (Index m = 0; m < M; ++m) {
-        T sum = acc[(i0 + m) * acc_stride + d0];
+  if (n > 0 && G > 0) {
+    if (dk < P) {  // too narrow for a packet: plain dot products
+      for (Index i = 0; i < G; ++i) {
         for (Index t = 0; t < n; ++t) {
-          sum += w[t * w_stride + i0 + m] * static_cast<T>(rows[t * row_stride + d0]);
+          const S* kt = k + t * k_stride + i * seg;
+          T s(0);
+          for (Index j = 0; j < dk; ++j) s += q[i * q_stride + j] * static_cast<T>(kt[j]);
+          T& o = logits[i * ld + t];
+          o = add ? o + s : s;
         }
-        acc[(i0 + m) * acc_stride + d0] = sum;
       }
+    } else if (seg != 0) {
+      kernels::score_rows<T, S, kernels::kSegmented>(q, q_stride, G, dk, k, k_stride, seg, n,
+                                                     logits, ld, add, prefetch, nullptr);
+    } else {
+      kernels::score_rows<T, S, kernels::kShared>(q, q_stride, G, dk, k, k_stride, 0, n, logits, ld,
+                                                  add, prefetch, second);
     }
-  };
-  Index i0 = 0;
-  for (; i0 + 4 <= G; i0 += 4) run_columns.template operator()<4>(i0);
-  switch (G - i0) {
-    case 3:
-      run_columns.template operator()<3>(i0);
-      break;
-    case 2:
-      run_columns.template operator()<2>(i0);
-      break;
-    case 1:
-      run_columns.template operator()<1>(i0);
-      break;
-    default:
-      break;
   }
+  if (prefetch != nullptr) prefetch->finish();
 }
 
-/// Logits of G query rows against n cached rows, choosing the kernel by G: the
-/// broadcast kernel needs qt (the transposed queries, dk x G) and G % packet == 0.
+/// acc_i += sum_t w[i * ld + t] v_t,i for i < G, t < n: v_t,i = v + t * v_stride +
+/// i * seg (dv wide, storage S), acc row i at acc + i * acc_stride. The tokens are taken
+/// `token_block` at a time (0: all n at once): inside a block every row's accumulators
+/// stay in registers while the block's value rows stream by, so a small block (16)
+/// keeps the tile's reading order front to back for a memory-bound step, and the whole
+/// tile (0) loads and stores each accumulator once per tile for a compute-bound one.
+///
+/// `paired`: the rows are read in pairs (packet_ops.hpp) and the accumulator rows are in
+/// paired order (from_paired restores it); only where paired_rows<T, S>(dv), seg == 0.
 template <class T, class S>
-void score(const T* q, const T* qt, Index G, Index dk, const S* rows, Index row_stride, Index n,
-           T* logits, Index w_stride, bool add) {
-  if (qt != nullptr && G % packet_size<T> == 0) {
-    score_broadcast(qt, G, dk, rows, row_stride, n, logits, w_stride, add);
-  } else {
-    score_dot(q, dk, G, dk, rows, row_stride, n, logits, w_stride, add);
+void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, Index seg, Index dv,
+                     Index n, T* acc, Index acc_stride, Index token_block = 0,
+                     Prefetcher* prefetch = nullptr, bool paired = false) {
+  if constexpr (kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>) {
+    if (paired && paired_rows<T, S>(dv) && seg == 0) {
+      if (n > 0 && G > 0) {
+        kernels::accumulate_rows<T, S, kernels::kPaired>(w, ld, G, v, v_stride, 0, dv, n, acc,
+                                                         acc_stride, token_block, prefetch);
+      }
+      if (prefetch != nullptr) prefetch->finish();
+      return;
+    }
   }
+  (void)paired;
+  if (n > 0 && G > 0) {
+    if (dv < packet_size<T>) {
+      for (Index i = 0; i < G; ++i) {
+        for (Index t = 0; t < n; ++t) {
+          const T weight = w[i * ld + t];
+          const S* vt = v + t * v_stride + i * seg;
+          for (Index j = 0; j < dv; ++j) acc[i * acc_stride + j] += weight * static_cast<T>(vt[j]);
+        }
+      }
+    } else if (seg != 0) {
+      kernels::accumulate_rows<T, S, kernels::kSegmented>(w, ld, G, v, v_stride, seg, dv, n, acc,
+                                                          acc_stride, token_block, prefetch);
+    } else {
+      kernels::accumulate_rows<T, S, kernels::kShared>(w, ld, G, v, v_stride, 0, dv, n, acc,
+                                                       acc_stride, token_block, prefetch);
+    }
+  }
+  if (prefetch != nullptr) prefetch->finish();
 }
 
 }  // namespace kvattn::detail

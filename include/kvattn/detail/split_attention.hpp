@@ -4,16 +4,16 @@
 // states merged exactly at the end.
 //
 // A mechanism supplies the two tile operations (its "ops"):
-//   score(group, first, n, logits, buffer)        logits[t * rows + i] = logit of the
-//                                                 group's query row i against cached
-//                                                 token first + t, t < n
-//   accumulate(group, first, n, weights, acc, buffer)
-//                                                 acc (rows x acc_width, row-major)
-//                                                 += what the weights (same layout
-//                                                 as the logits) select
-// The driver calls accumulate right after score for the same tile on the same
-// thread, so `buffer` (tile x buffer_width scalars of per-thread scratch, e.g. the
-// tile converted from a narrower storage type) may carry data from one to the other.
+//   score(group, first, n, logits, ld)          logits[i * ld + t] = logit of the
+//                                               group's query row i against cached
+//                                               token first + t, t < n
+//   accumulate(group, first, n, weights, ld, acc)
+//                                               acc (rows x acc_width, row-major)
+//                                               += what the weights (same layout
+//                                               as the logits) select
+// Between the two, the tile's softmax runs along each query row's tokens (query-major
+// logits), vectorized with the packet exp whatever the number of rows: one row for
+// MHA, where the tile is the only thing to vectorize over.
 #pragma once
 
 #include <algorithm>
@@ -22,6 +22,7 @@
 
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/packet_ops.hpp"
 
 namespace kvattn::detail {
 
@@ -32,7 +33,7 @@ struct SplitPlan {
   Index acc_width = 0;     // accumulator width per row
   Index length = 0;        // cached tokens
   Index tile = 1;          // tokens per tile
-  Index buffer_width = 0;  // per-thread buffer scalars per tile token (0: none)
+  Index buffer_width = 0;  // unused by the current kernels (kept for the ops' contract)
   Index splits = 1;        // sequence ranges per group
   int threads = 1;         // threads of the parallel region
   // What the scratch is sized for: the most splits and threads this thread count can
@@ -41,6 +42,13 @@ struct SplitPlan {
   int max_threads = 1;
 
   Index units() const { return groups * splits; }
+  /// Row stride of a tile's logits: the tile rounded up to whole packets, so the
+  /// softmax runs on whole packets (the padding holds -inf).
+  template <class T>
+  Index logits_stride() const {
+    constexpr Index P = packet_size<T>;
+    return (std::max<Index>(tile, 1) + P - 1) / P * P;
+  }
 };
 
 /// Splits the sequence only when groups alone cannot keep every thread busy, and
@@ -62,22 +70,18 @@ inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index len
 /// step allocates nothing once it has run at its size.
 template <class T>
 struct SplitScratch {
-  RowMatrix<T> scores;    // threads*rows x tile
-  RowMatrix<T> buffer;    // threads*tile x buffer_width
-  RowMatrix<T> acc;       // units*rows x acc_width
-  RowVector<T> max;       // units*rows   running maximum of each partial softmax
-  RowVector<T> sum;       // units*rows   running normalizer
-  RowVector<T> tile_max;  // threads*rows  a tile's maximum, then its shift
+  RowMatrix<T> scores;  // threads*rows x logits_stride
+  RowMatrix<T> acc;     // units*rows x acc_width
+  RowVector<T> max;     // units*rows   running maximum of each partial softmax
+  RowVector<T> sum;     // units*rows   running normalizer
 
   void fit(const SplitPlan& p) {
     const Index threads = p.max_threads;
     const Index slots = p.groups * p.max_splits * p.rows;
-    grow(scores, threads * p.rows, p.tile);
-    grow(buffer, threads * p.tile, p.buffer_width);
+    grow(scores, threads * p.rows, p.logits_stride<T>());
     grow(acc, slots, p.acc_width);
     if (max.cols() < slots) reshape(max, slots);
     if (sum.cols() < slots) reshape(sum, slots);
-    if (tile_max.cols() < threads * p.rows) reshape(tile_max, threads * p.rows);
   }
 
  private:
@@ -86,68 +90,94 @@ struct SplitScratch {
   }
 };
 
+/// One query row's online-softmax update for a tile (Milakov & Gimelshein; FlashAttention):
+/// s (n_pad logits, the padding past the tile -inf) becomes the weights
+/// exp(s - m_new), `sum` and the row's accumulator are rescaled by exp(m_old - m_new),
+/// and the weights are added to `sum`. A NaN or +inf logit poisons the row (the sum
+/// becomes NaN, as softmax_inplace gives for such a row) instead of being dropped;
+/// -inf logits get weight exactly 0.
+template <class T>
+inline void softmax_tile_row(T* s, Index n_pad, T& max, T& sum, T* acc, Index width) {
+  using Pk = Packet<T>;
+  constexpr Index P = packet_size<T>;
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  Pk m0 = ei::pset1<Pk>(neg_inf), m1 = m0;
+  Index t = 0;
+  for (; t + 2 * P <= n_pad; t += 2 * P) {
+    m0 = ei::pmax(m0, ei::ploadu<Pk>(s + t));
+    m1 = ei::pmax(m1, ei::ploadu<Pk>(s + t + P));
+  }
+  for (; t < n_pad; t += P) m0 = ei::pmax(m0, ei::ploadu<Pk>(s + t));
+  // pmax may drop a NaN; the NaN then reaches the sum through its own exp below.
+  const T tile_max = ei::predux_max(ei::pmax(m0, m1));
+  const T old_max = max;
+  const T new_max = std::max(old_max, tile_max);
+  // The shift of the tile's exponentials: 0 while every logit so far is -inf (nothing
+  // visible yet: the weights stay 0 instead of exp(-inf + inf) = NaN).
+  const T shift = new_max == neg_inf ? T(0) : new_max;
+  if (old_max != neg_inf && new_max != old_max) {
+    const T scale = softmax_exp(old_max - new_max);  // NaN (row poisoned) stays NaN
+    sum *= scale;
+    Eigen::Map<RowVector<T>>(acc, width) *= scale;
+  }
+  max = new_max;
+  const Pk shift_p = ei::pset1<Pk>(shift);
+  Pk s0 = ei::pset1<Pk>(T(0)), s1 = s0;
+  t = 0;
+  for (; t + 2 * P <= n_pad; t += 2 * P) {
+    const Pk p0 = softmax_exp<T>(ei::psub(ei::ploadu<Pk>(s + t), shift_p));
+    const Pk p1 = softmax_exp<T>(ei::psub(ei::ploadu<Pk>(s + t + P), shift_p));
+    ei::pstoreu(s + t, p0);
+    ei::pstoreu(s + t + P, p1);
+    s0 = ei::padd(s0, p0);
+    s1 = ei::padd(s1, p1);
+  }
+  for (; t < n_pad; t += P) {
+    const Pk p0 = softmax_exp<T>(ei::psub(ei::ploadu<Pk>(s + t), shift_p));
+    ei::pstoreu(s + t, p0);
+    s0 = ei::padd(s0, p0);
+  }
+  sum += ei::predux(ei::padd(s0, s1));
+  // A row of NaN logits has max -inf (pmax drops NaN) and would read as "no visible
+  // key" in the merge, which outputs zeros: give it a finite max so the NaN sum shows.
+  if (std::isnan(sum) && max == neg_inf) max = T(0);
+}
+
 /// Runs the plan and writes each group's normalized attention (groups*rows x
 /// acc_width, row stride acc_width) to `out`. scratch.fit(plan) must have run.
-///
-/// The ops see a tile's logits token-major: logits[t * rows + i] for token t of the
-/// tile and query row i (see decode_kernels.hpp), so the online-softmax update below
-/// is vectorized over query rows.
 template <class T, class Ops>
 void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops& ops, T* out) {
   using RowMap = Eigen::Map<RowVector<T>>;
-  using TileMap = Eigen::Map<RowMatrix<T>>;
   using AccMap = Eigen::Map<RowMatrix<T>>;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-  constexpr T nan = std::numeric_limits<T>::quiet_NaN();
+  constexpr Index P = packet_size<T>;
   const Index rows = plan.rows;
   const Index width = plan.acc_width;
   const Index splits = plan.splits;
   const Index per_split = (plan.length + splits - 1) / splits;
+  const Index ld = plan.logits_stride<T>();
 
   auto run_unit = [&](Index unit, int thread) {
     const Index group = unit / splits;
     const Index first = std::min(plan.length, (unit % splits) * per_split);
     const Index last = std::min(plan.length, first + per_split);
-    T* logits = scratch.scores.data() + thread * rows * plan.tile;
-    T* buffer = plan.buffer_width > 0
-                    ? scratch.buffer.data() + thread * plan.tile * plan.buffer_width
-                    : nullptr;
-    RowMap max(scratch.max.data() + unit * rows, rows);
-    RowMap sum(scratch.sum.data() + unit * rows, rows);
-    AccMap acc(scratch.acc.data() + unit * rows * width, rows, width);
-    RowMap tile_max(scratch.tile_max.data() + thread * rows, rows);
-    max.setConstant(neg_inf);
-    sum.setZero();
-    acc.setZero();
+    T* logits = scratch.scores.data() + thread * rows * ld;
+    T* max = scratch.max.data() + unit * rows;
+    T* sum = scratch.sum.data() + unit * rows;
+    T* acc = scratch.acc.data() + unit * rows * width;
+    RowMap(max, rows).setConstant(neg_inf);
+    RowMap(sum, rows).setZero();
+    AccMap(acc, rows, width).setZero();
     for (Index t0 = first; t0 < last; t0 += plan.tile) {
       const Index n = std::min(plan.tile, last - t0);
-      ops.score(group, t0, n, logits, buffer);
-      TileMap tile(logits, n, rows);
-      tile_max = tile.row(0);
-      for (Index t = 1; t < n; ++t) tile_max = tile_max.cwiseMax(tile.row(t));
+      const Index n_pad = (n + P - 1) / P * P;
+      ops.score(group, t0, n, logits, ld);
       for (Index i = 0; i < rows; ++i) {
-        const T row_max = tile_max(i);
-        // A NaN or +inf logit poisons its query row, as softmax_inplace does: the
-        // output shows the bad input instead of dropping it. (cwiseMax may or may
-        // not propagate NaN; a NaN it drops reaches the sum through exp below.)
-        if (std::isnan(row_max) || row_max == std::numeric_limits<T>::infinity()) {
-          sum(i) = nan;
-          if (max(i) == neg_inf) max(i) = T(0);
-          tile_max(i) = max(i);
-          continue;
-        }
-        const T new_max = std::max(max(i), row_max);
-        // tile_max becomes the shift of the tile's exponentials; -inf everywhere so
-        // far (nothing visible yet) shifts by 0 and keeps the weights at 0.
-        tile_max(i) = (new_max == neg_inf || std::isnan(new_max)) ? T(0) : new_max;
-        if (max(i) != neg_inf && new_max != max(i)) acc.row(i) *= std::exp(max(i) - new_max);
-        if (max(i) != neg_inf) sum(i) *= std::exp(max(i) - new_max);
-        max(i) = new_max;
+        T* s = logits + i * ld;
+        std::fill(s + n, s + n_pad, neg_inf);
+        softmax_tile_row(s, n_pad, max[i], sum[i], acc + i * width, width);
       }
-      tile.array().rowwise() -= tile_max.array();
-      tile.array() = tile.array().exp();
-      for (Index t = 0; t < n; ++t) sum += tile.row(t);
-      ops.accumulate(group, t0, n, logits, acc.data(), buffer);
+      ops.accumulate(group, t0, n, logits, ld, acc);
     }
   };
 

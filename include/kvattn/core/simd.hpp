@@ -1,0 +1,37 @@
+// The instruction-set level kvattn's decode kernels are compiled for.
+//
+// kvattn is header-only: its kernels are compiled with the consumer's flags, and the
+// level is fixed at compile time by them (docs/building.md, "Vector instructions"):
+//   "avx512"    -mavx512f (e.g. -march=x86-64-v4, -march=native on an AVX-512 CPU):
+//               16-float packets, 32 vector registers
+//   "avx2+fma"  -mavx2 -mfma (e.g. -march=x86-64-v3, -march=haswell, znver3)
+//   "avx"       -mavx without FMA
+//   "sse2"      x86-64 without -m flags (SSE2 up to SSE4.2): 4-float packets
+//   "neon"      ARM NEON (AArch64 always)
+//   "scalar"    no vector unit Eigen knows (or EIGEN_DONT_VECTORIZE)
+// There is no run-time dispatch: a binary built for "avx512" needs an AVX-512 CPU.
+#pragma once
+
+#include <Eigen/Core>
+
+namespace kvattn {
+
+/// The name of the vector instruction set the kernels use in this translation unit
+/// (see the list above), e.g. for a benchmark report.
+constexpr const char* simd_level() {
+#if defined(EIGEN_VECTORIZE_AVX512)
+  return "avx512";
+#elif defined(EIGEN_VECTORIZE_AVX2) && defined(EIGEN_VECTORIZE_FMA)
+  return "avx2+fma";
+#elif defined(EIGEN_VECTORIZE_AVX)
+  return "avx";
+#elif defined(EIGEN_VECTORIZE_SSE2)
+  return "sse2";
+#elif defined(EIGEN_VECTORIZE_NEON)
+  return "neon";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace kvattn

@@ -1,0 +1,288 @@
+// Vector building blocks of the decode kernels, on Eigen's packets (SSE, AVX/AVX2,
+// AVX-512, NEON, or scalar: whatever the translation unit is compiled for; see
+// core/simd.hpp): widening loads from a narrower storage type, masked row tails,
+// lane-wise sums of a block of accumulators, a softmax exponential, prefetching.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "kvattn/core/types.hpp"
+
+// Register blocks are small arrays indexed by constant-trip loops; they must be
+// fully unrolled so the arrays live in registers, not on the stack.
+#if defined(__clang__)
+#define KVATTN_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define KVATTN_UNROLL _Pragma("GCC unroll 16")
+#else
+#define KVATTN_UNROLL
+#endif
+
+namespace kvattn::detail {
+
+namespace ei = Eigen::internal;
+
+template <class T>
+using Packet = typename ei::packet_traits<T>::type;
+
+template <class T>
+inline constexpr Index packet_size = ei::unpacket_traits<Packet<T>>::size;
+
+/// Register blocks are sized so accumulators, operands and a broadcast fit in the
+/// vector registers: 16 (SSE, AVX2) or 32 (AVX-512, AArch64 NEON).
+inline constexpr bool many_registers = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
+
+/// P consecutive elements of storage type S as one packet of T.
+template <class T, class S>
+inline Packet<T> load_widened(const S* from) {
+  if constexpr (std::is_same_v<S, T>) {
+    return ei::ploadu<Packet<T>>(from);
+  } else {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
+                  packet_size<T> == 16) {
+      // bf16 is the top half of an fp32: zero-extend to 32 bits, shift up. The zero-
+      // masking forms, because GCC 12's unmasked _mm512_cvtepu16_epi32 / _mm512_slli_epi32
+      // (which Eigen's pcast uses) pass an undefined vector through and warn about it
+      // (-Wmaybe-uninitialized, GCC bug 105593) in every function that inlines them.
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+      return _mm512_castsi512_ps(
+          _mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, raw), 16));
+    }
+#elif defined(EIGEN_VECTORIZE_AVX)
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
+                  packet_size<T> == 8) {
+      return ei::pcast<ei::Packet8bf, ei::Packet8f>(ei::ploadu<ei::Packet8bf>(from));
+    }
+#endif
+    // Portable path: widen through a small stack array.
+    alignas(64) T widened[packet_size<T>];
+    for (Index k = 0; k < packet_size<T>; ++k) widened[k] = static_cast<T>(from[k]);
+    return ei::pload<Packet<T>>(widened);
+  }
+}
+
+/// Pins a loaded packet to a register. GCC folds a load into every FMA that uses it
+/// (vfmadd231ps mem, ...), so an operand shared by a register block is re-read from L1
+/// once per use: 14 loads per 12 FMAs in a 2 x 6 block, and the two 256-bit load ports
+/// (Zen 3) then cap the block at ~85% of the FMA rate. An empty asm that "modifies" the
+/// register makes the compiler keep the one load. No instruction is emitted.
+template <class P>
+inline void keep_in_register(P& p) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && \
+    defined(__SSE2__)
+  asm("" : "+v"(p));
+#else
+  (void)p;
+#endif
+}
+
+/// bf16 rows read in pairs (AVX2): 16 elements loaded at once become two float packets,
+/// the even-indexed elements (the low halves of the 32-bit lanes, shifted up by 16) and
+/// the odd-indexed ones (the high halves, masked): one load and one integer op per
+/// packet, where widening 8 elements takes a zero-extending load (a shuffle) and a
+/// shift, both on the two pipes the FMAs share. The element order changes, so the other
+/// operand must be in the same "paired" order (to_paired): a query row for a dot
+/// product, and an accumulator row, put back in order after the pass (from_paired).
+#if defined(EIGEN_VECTORIZE_AVX2) && !defined(EIGEN_VECTORIZE_AVX512)
+#define KVATTN_PAIRED_BF16 1
+inline constexpr bool kHavePairedBf16 = true;
+inline __m256i load_bf16_raw(const Eigen::bfloat16* from) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+}
+inline __m256 bf16_even(__m256i raw) { return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)); }
+inline __m256 bf16_odd(__m256i raw) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#else
+#define KVATTN_PAIRED_BF16 0
+inline constexpr bool kHavePairedBf16 = false;
+#endif
+
+/// Whether rows of `width` elements of storage S are read in pairs (see above): bf16
+/// into float on AVX2, width a multiple of 16.
+template <class T, class S>
+constexpr bool paired_rows(Index width) {
+  return kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
+         width > 0 && width % 16 == 0;
+}
+
+/// Puts each 16-element block of `row` (width a multiple of 16) in paired order: its 8
+/// even-indexed elements, then its 8 odd-indexed ones.
+template <class T>
+void to_paired(T* row, Index width) {
+  for (Index j = 0; j + 16 <= width; j += 16) {
+    T block[16];
+    for (Index k = 0; k < 16; ++k) block[k] = row[j + k];
+    for (Index k = 0; k < 8; ++k) {
+      row[j + k] = block[2 * k];
+      row[j + 8 + k] = block[2 * k + 1];
+    }
+  }
+}
+
+/// The inverse of to_paired.
+template <class T>
+void from_paired(T* row, Index width) {
+  for (Index j = 0; j + 16 <= width; j += 16) {
+    T block[16];
+    for (Index k = 0; k < 16; ++k) block[k] = row[j + k];
+    for (Index k = 0; k < 8; ++k) {
+      row[j + 2 * k] = block[k];
+      row[j + 2 * k + 1] = block[8 + k];
+    }
+  }
+}
+
+/// x with lanes [0, skip) set to +0. A row of width w >= P ends with a packet loaded
+/// at w - P, which overlaps the previous full packet by skip = P - w % P lanes; zeroing
+/// them (in both operands of a product) counts every element once and reads nothing
+/// outside the row, with no scalar loop. Zero bits, not a multiplication by 0, so an
+/// infinite element in the overlap cannot turn into a NaN.
+template <class T>
+inline Packet<T> zero_first(const Packet<T>& x, Index skip) {
+  const Packet<T> lanes = ei::plset<Packet<T>>(T(0));
+  return ei::pandnot(x, ei::pcmp_lt(lanes, ei::pset1<Packet<T>>(static_cast<T>(skip))));
+}
+
+/// One packet holding the sums of P accumulators: lane k = sum of the lanes of acc[k].
+/// A dot-product kernel reduces a whole block of P dot products with this once, instead
+/// of P horizontal sums (a transpose-and-add tree: log2(P) shuffle stages).
+//
+// (PacketBlock<Packet<T>, P> names a vector type as a template argument, which GCC
+// reports with -Wignored-attributes: the vector's alignment attribute does not take
+// part in template matching. It does not need to: the block is a plain local array.)
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+template <class T>
+inline Packet<T> sum_lanes(const Packet<T>* acc) {
+  constexpr Index P = packet_size<T>;
+#if defined(EIGEN_VECTORIZE_AVX) && !defined(EIGEN_VECTORIZE_AVX512)
+  if constexpr (std::is_same_v<T, float> && P == 8) {
+    // hadd pairs: [a0 a0 a1 a1 | a0 a0 a1 a1] (two-lane sums, per 128-bit half) ...
+    const __m256 h0 = _mm256_hadd_ps(acc[0], acc[1]);
+    const __m256 h1 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 h2 = _mm256_hadd_ps(acc[4], acc[5]);
+    const __m256 h3 = _mm256_hadd_ps(acc[6], acc[7]);
+    // ... then [a0 a1 a2 a3 | a0 a1 a2 a3] (four-lane sums per half) ...
+    const __m256 g0 = _mm256_hadd_ps(h0, h1);
+    const __m256 g1 = _mm256_hadd_ps(h2, h3);
+    // ... and the two halves added: [a0 .. a3 | a4 .. a7].
+    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
+                         _mm256_permute2f128_ps(g0, g1, 0x31));
+  }
+#endif
+  if constexpr (P == 1) {
+    return acc[0];
+  } else if constexpr (P == 2 || P == 4 || P == 8 || P == 16) {
+    // Eigen's in-register transpose: packet k then holds lane k of every accumulator.
+    ei::PacketBlock<Packet<T>, static_cast<int>(P)> block;
+    KVATTN_UNROLL
+    for (int k = 0; k < P; ++k) block.packet[k] = acc[k];
+    ei::ptranspose(block);
+    for (int k = 1; k < P; ++k) block.packet[0] = ei::padd(block.packet[0], block.packet[k]);
+    return block.packet[0];
+  } else {
+    alignas(64) T sums[P];
+    for (Index k = 0; k < P; ++k) sums[k] = ei::predux(acc[k]);
+    return ei::pload<Packet<T>>(sums);
+  }
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+/// exp(x) for the softmax weights, x = logit - running maximum (<= 0, or NaN): Eigen's
+/// vectorized exp, except that x below the normal range (exp(x) < the smallest normal
+/// T) gives exactly 0. Eigen's pexp clamps its argument and returns ~3e-39 for -inf;
+/// the softmax of a -inf logit must be 0, and denormal weights would only slow every
+/// product that uses them. NaN stays NaN.
+template <class T>
+inline Packet<T> softmax_exp(const Packet<T>& x) {
+  // ln(e * 2^min_exponent): -85.6 (float), -707.4 (double), so exp(x) >= x's lowest
+  // normal, 2^(min_exponent - 1).
+  constexpr T lowest = std::numeric_limits<T>::min_exponent * T(0.6931471805599453) + T(1);
+  const Packet<T> underflow = ei::pcmp_lt(x, ei::pset1<Packet<T>>(lowest));
+  return ei::pandnot(ei::pexp(x), underflow);
+}
+
+/// The scalar form of softmax_exp (same results for the same x, up to exp's rounding).
+template <class T>
+inline T softmax_exp(T x) {
+  constexpr T lowest = std::numeric_limits<T>::min_exponent * T(0.6931471805599453) + T(1);
+  return x < lowest ? T(0) : std::exp(x);
+}
+
+/// Asks for the cache line at p to be brought into the cache hierarchy (a hint: no
+/// fault, no effect on results).
+EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
+/// Software prefetch spread evenly over a kernel's loop: the kernel plans how many
+/// steps its loop takes, then every step issues its share of the range's cache lines
+/// (one line every few steps when there are fewer lines than steps).
+///
+/// The decode ops use it for the accumulate pass of a memory-bound step: it reads each
+/// value row in column pieces (one register block of columns at a time), a pattern the
+/// hardware prefetchers do not follow, so without help the pass waits on memory and
+/// computes in turn. Prefetching the same rows 8 KiB ahead, a few lines per token,
+/// keeps requests in flight while it computes (GQA, 4 heads per KV head: 0.65 -> 0.77
+/// of the read-only bandwidth in a cold-cache kernel test). Issued as one burst per
+/// tile or block instead, the prefetches fill the miss queues and stall the loads
+/// behind them; in the score pass, whose lanes are already long sequential streams
+/// (decode_kernels.hpp), they only took bandwidth from the demand loads (0.93 -> 0.82).
+struct Prefetcher {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  Index lines_per_step = 0;  // lines issued by a step that issues
+  Index period = 1;          // a step issues every `period` steps
+  Index countdown = 1;
+
+  static constexpr Index kLine = 64;
+
+  Prefetcher() = default;
+  /// The range to prefetch: `bytes` from `data` (nothing when bytes <= 0).
+  Prefetcher(const void* data, Index bytes)
+      : next(static_cast<const char*>(data)),
+        end(data == nullptr || bytes <= 0 ? next : next + bytes) {}
+
+  /// Spreads what is left over `steps` calls of step().
+  void plan(Index steps) {
+    const Index lines = (end - next + kLine - 1) / kLine;
+    steps = std::max<Index>(steps, 1);
+    if (lines >= steps) {
+      lines_per_step = (lines + steps - 1) / steps;
+      period = 1;
+    } else {
+      lines_per_step = 1;
+      period = lines > 0 ? steps / lines : steps;
+    }
+    countdown = period;
+  }
+  // Forced inline: it sits in the kernels' inner loops, where GCC otherwise sometimes
+  // leaves it a call per token (measured: MHA 0.92 -> 0.83 of the read bandwidth).
+  EIGEN_ALWAYS_INLINE void step() {
+    if (next >= end || --countdown > 0) return;
+    countdown = period;
+    for (Index k = 0; k < lines_per_step && next < end; ++k, next += kLine) prefetch_line(next);
+  }
+  /// Whatever step() has not reached yet.
+  void finish() {
+    for (; next < end; next += kLine) prefetch_line(next);
+  }
+};
+
+}  // namespace kvattn::detail

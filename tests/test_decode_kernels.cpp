@@ -1,0 +1,487 @@
+// [kernels]: the decode kernels (detail/decode_kernels.hpp, detail/packet_ops.hpp) and
+// the split online-softmax driver (detail/split_attention.hpp) against plain loops in
+// double, at awkward sizes (1, 3, 54, 59, 111, 127, 129: below a packet, tails of every
+// length, several register blocks), with shared and per-row (segmented) columns, fp32
+// and bf16 storage; and the driver's NaN / +inf / -inf rules.
+//
+// The same file is built twice when the compiler can target AVX-512
+// (test_decode_kernels_avx512, -march=x86-64-v4): that binary exits as skipped on a CPU
+// without AVX-512 (tests/cpu_guard_avx512.cpp).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvattn/attention/gqa.hpp"
+#include "kvattn/attention/lrkv.hpp"
+#include "kvattn/attention/mla.hpp"
+#include "kvattn/core/simd.hpp"
+#include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/split_attention.hpp"
+#include "kvattn/reference/gqa.hpp"
+#include "kvattn/reference/lrkv.hpp"
+#include "kvattn/reference/mla.hpp"
+#include "test_util.hpp"
+
+using namespace kvattn;
+
+namespace {
+
+constexpr Index kSizes[] = {1, 3, 8, 54, 59, 111, 127, 129};
+
+template <class S>
+std::vector<S> random_values(Index n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<S> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = static_cast<S>(normal(rng));
+  return v;
+}
+
+// |got - want| within a float rounding bound of a sum of `terms` products of size `scale`.
+bool close(double got, double want, Index terms, double scale) {
+  const double bound = 4e-7 * static_cast<double>(terms + 1) * scale + 1e-30;
+  return std::abs(got - want) <= bound;
+}
+
+template <class S>
+void check_score(Index G, Index dk, Index n, bool segmented, bool add) {
+  const Index seg = segmented ? dk + 3 : 0;  // per-row slices with a gap between them
+  const Index k_stride = (segmented ? G * seg : dk) + 5;
+  const Index ld = n + 2;
+  const auto q = random_values<float>(G * dk, 1 + static_cast<std::uint64_t>(G * dk));
+  const auto k = random_values<S>(n * k_stride, 2 + static_cast<std::uint64_t>(n));
+  auto logits = random_values<float>(G * ld, 3);
+  const auto before = logits;
+  detail::score_rows(q.data(), dk, G, dk, k.data(), k_stride, seg, n, logits.data(), ld, add);
+  for (Index i = 0; i < G; ++i) {
+    for (Index t = 0; t < n; ++t) {
+      double want = add ? before[static_cast<std::size_t>(i * ld + t)] : 0.0;
+      double scale = std::abs(want);
+      for (Index j = 0; j < dk; ++j) {
+        const double p = static_cast<double>(q[static_cast<std::size_t>(i * dk + j)]) *
+                         static_cast<double>(static_cast<float>(
+                             k[static_cast<std::size_t>(t * k_stride + i * seg + j)]));
+        want += p;
+        scale += std::abs(p);
+      }
+      const double got = logits[static_cast<std::size_t>(i * ld + t)];
+      if (!close(got, want, dk, scale)) {
+        CAPTURE(G, dk, n, segmented, add, i, t, got, want);
+        FAIL("score_rows differs from the plain loop");
+      }
+    }
+    // The padding past the tile is not written.
+    for (Index t = n; t < ld; ++t) {
+      REQUIRE(logits[static_cast<std::size_t>(i * ld + t)] ==
+              before[static_cast<std::size_t>(i * ld + t)]);
+    }
+  }
+}
+
+template <class S>
+void check_accumulate(Index G, Index dv, Index n, bool segmented, Index token_block) {
+  const Index seg = segmented ? dv + 2 : 0;
+  const Index v_stride = (segmented ? G * seg : dv) + 3;
+  const Index ld = n + 1;
+  const Index acc_stride = dv + 4;
+  const auto w = random_values<float>(G * ld, 4 + static_cast<std::uint64_t>(G));
+  const auto v = random_values<S>(n * v_stride, 5 + static_cast<std::uint64_t>(dv));
+  auto acc = random_values<float>(G * acc_stride, 6);
+  const auto before = acc;
+  detail::accumulate_rows(w.data(), ld, G, v.data(), v_stride, seg, dv, n, acc.data(), acc_stride,
+                          token_block);
+  for (Index i = 0; i < G; ++i) {
+    for (Index j = 0; j < acc_stride; ++j) {
+      const auto at = static_cast<std::size_t>(i * acc_stride + j);
+      if (j >= dv) {  // columns past dv are not touched
+        REQUIRE(acc[at] == before[at]);
+        continue;
+      }
+      double want = before[at];
+      double scale = std::abs(want);
+      for (Index t = 0; t < n; ++t) {
+        const double p = static_cast<double>(w[static_cast<std::size_t>(i * ld + t)]) *
+                         static_cast<double>(static_cast<float>(
+                             v[static_cast<std::size_t>(t * v_stride + i * seg + j)]));
+        want += p;
+        scale += std::abs(p);
+      }
+      if (!close(acc[at], want, n, scale)) {
+        CAPTURE(G, dv, n, segmented, token_block, i, j, acc[at], want);
+        FAIL("accumulate_rows differs from the plain loop");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("simd_level names the instruction set the kernels use", "[kernels]") {
+  const std::string level = simd_level();
+  INFO("simd_level() = " << level << ", packet of " << detail::packet_size<float> << " floats");
+  CHECK((level == "avx512" || level == "avx2+fma" || level == "avx" || level == "sse2" ||
+         level == "neon" || level == "scalar"));
+#if defined(__AVX512F__)
+  CHECK(level == "avx512");
+  CHECK(detail::packet_size<float> == 16);
+#elif defined(__AVX2__) && defined(__FMA__)
+  CHECK(level == "avx2+fma");
+  CHECK(detail::packet_size<float> == 8);
+#endif
+}
+
+TEST_CASE("score_rows equals a plain loop at awkward sizes", "[kernels]") {
+  for (const Index dk : kSizes) {
+    for (const Index G : {1, 2, 3, 5, 32}) {
+      for (const Index n : {1, 7, 13, 40}) {
+        for (const bool segmented : {false, true}) {
+          check_score<float>(G, dk, n, segmented, false);
+        }
+      }
+      check_score<float>(G, dk, 29, false, true);
+      check_score<float>(G, dk, 29, true, true);
+      check_score<Eigen::bfloat16>(G, dk, 29, false, false);
+      check_score<Eigen::bfloat16>(G, dk, 29, true, true);
+    }
+  }
+}
+
+TEST_CASE("score_rows with a second, per-row dot product (LRKV's residual)", "[kernels]") {
+  for (const Index dk : {3, 128}) {
+    for (const Index dk2 : {1, 54, 59}) {
+      for (const Index G : {1, 3, 32}) {
+        const Index n = 17, seg2 = dk2 + 1, k_stride = dk + G * seg2 + 2, ld = n + 1;
+        const auto q = random_values<float>(G * dk, 31);
+        const auto q2 = random_values<float>(G * dk2, 32);
+        const auto k = random_values<float>(n * k_stride, 33);
+        std::vector<float> got(static_cast<std::size_t>(G * ld), 7.0f);
+        std::vector<float> want = got;
+        const detail::SecondDot<float> second{q2.data(), dk2, dk2, dk, seg2};
+        detail::score_rows(q.data(), dk, G, dk, k.data(), k_stride, 0, n, got.data(), ld, false,
+                           nullptr, &second);
+        detail::score_rows(q.data(), dk, G, dk, k.data(), k_stride, 0, n, want.data(), ld, false);
+        detail::score_rows(q2.data(), dk2, G, dk2, k.data() + dk, k_stride, seg2, n, want.data(),
+                           ld, true);
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          CAPTURE(dk, dk2, G, i);
+          REQUIRE(got[i] == Approx(want[i]).epsilon(1e-5).margin(1e-5));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("bf16 rows read in pairs: paired queries and accumulators", "[kernels]") {
+  // Only where the build has the paired path (AVX2); elsewhere paired_rows is false and
+  // the kernels never see paired operands.
+  for (const Index width : {16, 128, 576}) {
+    if (!detail::paired_rows<float, Eigen::bfloat16>(width)) {
+      WARN("no paired bf16 path in this build (" << simd_level() << ")");
+      return;
+    }
+    for (const Index G : {1, 3, 16}) {
+      const Index n = 29, ld = n + 3, stride = width + 16;
+      const auto q = random_values<float>(G * width, 51);
+      const auto k = random_values<Eigen::bfloat16>(n * stride, 52);
+      const auto w = random_values<float>(G * ld, 53);
+      // Score: paired queries against the same rows give the same logits.
+      auto q_paired = q;
+      for (Index i = 0; i < G; ++i) detail::to_paired(q_paired.data() + i * width, width);
+      std::vector<float> got(static_cast<std::size_t>(G * ld)), want(got.size());
+      detail::score_rows(q_paired.data(), width, G, width, k.data(), stride, 0, n, got.data(), ld,
+                         false, nullptr, nullptr, true);
+      detail::score_rows(q.data(), width, G, width, k.data(), stride, 0, n, want.data(), ld, false);
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        CAPTURE(width, G, i);
+        REQUIRE(got[i] == Approx(want[i]).epsilon(1e-5).margin(1e-4));
+      }
+      // Accumulate: a paired accumulator, put back in order, equals the plain one.
+      std::vector<float> acc(static_cast<std::size_t>(G * width), 0.5f), plain = acc;
+      for (Index i = 0; i < G; ++i) detail::to_paired(acc.data() + i * width, width);
+      for (const Index block : {Index{0}, Index{16}}) {
+        detail::accumulate_rows(w.data(), ld, G, k.data(), stride, 0, width, n, acc.data(), width,
+                                block, nullptr, true);
+        detail::accumulate_rows(w.data(), ld, G, k.data(), stride, 0, width, n, plain.data(), width,
+                                block);
+      }
+      for (Index i = 0; i < G; ++i) detail::from_paired(acc.data() + i * width, width);
+      for (std::size_t i = 0; i < acc.size(); ++i) {
+        CAPTURE(width, G, i);
+        REQUIRE(acc[i] == Approx(plain[i]).epsilon(1e-5).margin(1e-4));
+      }
+    }
+  }
+}
+
+TEST_CASE("accumulate_rows equals a plain loop at awkward sizes", "[kernels]") {
+  for (const Index dv : kSizes) {
+    for (const Index G : {1, 2, 3, 5, 32}) {
+      for (const Index n : {1, 7, 40}) {
+        for (const Index block : {Index{0}, Index{5}, Index{16}}) {
+          check_accumulate<float>(G, dv, n, false, block);
+        }
+        check_accumulate<float>(G, dv, n, true, 16);
+      }
+      check_accumulate<Eigen::bfloat16>(G, dv, 23, false, 16);
+      check_accumulate<Eigen::bfloat16>(G, dv, 23, true, 0);
+    }
+  }
+}
+
+TEST_CASE("Lane sums, overlapped tails and the softmax exponential", "[kernels]") {
+  using P = detail::Packet<float>;
+  constexpr Index N = detail::packet_size<float>;
+  namespace ei = Eigen::internal;
+  alignas(64) float lanes[N * N];
+  for (Index i = 0; i < N * N; ++i) lanes[i] = static_cast<float>(i % 7) - 2.5f;
+  P acc[N];
+  for (Index k = 0; k < N; ++k) acc[k] = ei::pload<P>(lanes + k * N);
+  alignas(64) float sums[N];
+  ei::pstore(sums, detail::sum_lanes<float>(acc));
+  for (Index k = 0; k < N; ++k) {
+    float want = 0;
+    for (Index l = 0; l < N; ++l) want += lanes[k * N + l];
+    CHECK(sums[k] == Approx(want));
+  }
+  // zero_first clears exactly the first `skip` lanes (bits, so +inf becomes +0).
+  alignas(64) float x[N];
+  for (Index i = 0; i < N; ++i) x[i] = std::numeric_limits<float>::infinity();
+  for (Index skip = 0; skip < N; ++skip) {
+    alignas(64) float out[N];
+    ei::pstore(out, detail::zero_first<float>(ei::pload<P>(x), skip));
+    for (Index i = 0; i < N; ++i) CHECK(out[i] == (i < skip ? 0.0f : x[i]));
+  }
+  // exp(-inf) and anything below the normal range is exactly 0; NaN stays NaN.
+  const float inf = std::numeric_limits<float>::infinity();
+  CHECK(detail::softmax_exp(-inf) == 0.0f);
+  CHECK(detail::softmax_exp(-100.0f) == 0.0f);
+  CHECK(std::isnan(detail::softmax_exp(std::numeric_limits<float>::quiet_NaN())));
+  alignas(64) float in[N], out[N];
+  for (Index i = 0; i < N; ++i) in[i] = i == 0 ? -inf : -0.37f * static_cast<float>(i);
+  ei::pstore(out, detail::softmax_exp<float>(ei::pload<P>(in)));
+  for (Index i = 0; i < N; ++i) CHECK(out[i] == Approx(std::exp(in[i])).margin(0));
+}
+
+namespace {
+
+// Dense ops for the driver: `rows` query rows per group against keys/values of width d.
+struct DenseOps {
+  const std::vector<float>& q;  // groups*rows x d
+  const std::vector<float>& k;  // groups x L x d
+  const std::vector<float>& v;  // groups x L x d
+  Index rows, d, L;
+  void score(Index g, Index first, Index n, float* logits, Index ld) const {
+    detail::score_rows(q.data() + g * rows * d, d, rows, d, k.data() + (g * L + first) * d, d, 0, n,
+                       logits, ld, false);
+  }
+  void accumulate(Index g, Index first, Index n, const float* w, Index ld, float* acc) const {
+    detail::accumulate_rows(w, ld, rows, v.data() + (g * L + first) * d, d, 0, d, n, acc, d, 16);
+  }
+};
+
+// softmax(q K^T) V per row in double; NaN where a logit is NaN or +inf.
+std::vector<double> reference(const std::vector<float>& q, const std::vector<float>& k,
+                              const std::vector<float>& v, Index groups, Index rows, Index d,
+                              Index L) {
+  std::vector<double> out(static_cast<std::size_t>(groups * rows * d), 0.0);
+  for (Index g = 0; g < groups; ++g) {
+    for (Index i = 0; i < rows; ++i) {
+      std::vector<double> s(static_cast<std::size_t>(L));
+      double max = -std::numeric_limits<double>::infinity();
+      bool poisoned = false;
+      for (Index t = 0; t < L; ++t) {
+        double x = 0;
+        for (Index j = 0; j < d; ++j) {
+          x += static_cast<double>(q[static_cast<std::size_t>((g * rows + i) * d + j)]) *
+               k[static_cast<std::size_t>((g * L + t) * d + j)];
+        }
+        s[static_cast<std::size_t>(t)] = x;
+        if (std::isnan(x) || x == std::numeric_limits<double>::infinity()) poisoned = true;
+        max = std::max(max, x);
+      }
+      double* o = out.data() + (g * rows + i) * d;
+      if (poisoned) {
+        for (Index j = 0; j < d; ++j) o[j] = std::numeric_limits<double>::quiet_NaN();
+        continue;
+      }
+      if (max == -std::numeric_limits<double>::infinity()) continue;  // nothing visible: 0
+      double sum = 0;
+      for (Index t = 0; t < L; ++t) {
+        const double p = std::exp(s[static_cast<std::size_t>(t)] - max);
+        sum += p;
+        for (Index j = 0; j < d; ++j) o[j] += p * v[static_cast<std::size_t>((g * L + t) * d + j)];
+      }
+      for (Index j = 0; j < d; ++j) o[j] /= sum;
+    }
+  }
+  return out;
+}
+
+void check_driver(Index groups, Index rows, Index d, Index L, Index tile, int threads,
+                  const std::vector<float>& q, const std::vector<float>& k,
+                  const std::vector<float>& v) {
+  const auto plan = detail::plan_split(groups, rows, d, L, tile, 0, threads);
+  detail::SplitScratch<float> scratch;
+  scratch.fit(plan);
+  std::vector<float> out(static_cast<std::size_t>(groups * rows * d));
+  detail::split_attention(plan, scratch, DenseOps{q, k, v, rows, d, L}, out.data());
+  const auto want = reference(q, k, v, groups, rows, d, L);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    CAPTURE(groups, rows, d, L, tile, threads, plan.splits, i, out[i], want[i]);
+    if (std::isnan(want[i])) {
+      REQUIRE(std::isnan(out[i]));
+    } else {
+      REQUIRE(std::abs(out[i] - want[i]) <= 1e-5 * (1.0 + std::abs(want[i])));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("split_attention equals softmax(q K^T) V, split or not", "[kernels]") {
+  for (const Index rows : {1, 3, 4}) {
+    for (const Index d : {3, 54, 129}) {
+      for (const Index L : {1, 13, 300}) {
+        const Index groups = 2;
+        const auto q = random_values<float>(groups * rows * d, 11);
+        const auto k = random_values<float>(groups * L * d, 12);
+        const auto v = random_values<float>(groups * L * d, 13);
+        check_driver(groups, rows, d, L, 16, 1, q, k, v);
+        check_driver(groups, rows, d, L, 8, 3, q, k, v);  // splits the sequence
+      }
+    }
+  }
+}
+
+TEST_CASE("split_attention: a NaN or +inf logit poisons its row, -inf weighs 0", "[kernels]") {
+  const Index rows = 3, d = 13, L = 70, groups = 1;
+  const float inf = std::numeric_limits<float>::infinity();
+  auto q = random_values<float>(rows * d, 21);
+  auto k = random_values<float>(L * d, 22);
+  const auto v = random_values<float>(L * d, 23);
+  // Row 0: a NaN query element (every logit NaN). Token 40: key element 0 is +inf;
+  // row 1's query element 0 is > 0 (+inf logit: poisoned), row 2's < 0 (-inf: weight 0).
+  q[0] = std::numeric_limits<float>::quiet_NaN();
+  k[40 * d] = inf;
+  q[1 * d] = 0.5f;
+  q[2 * d] = -0.5f;
+  for (const int threads : {1, 2, 3}) {
+    for (const Index tile : {8, 64}) check_driver(groups, rows, d, L, tile, threads, q, k, v);
+  }
+  // Every logit -inf: nothing visible, the zero vector (as softmax over no keys).
+  // (Query element 0 is -inf, every key element 1: each logit is -inf + 0 + ... + 0.)
+  const std::vector<float> ones(static_cast<std::size_t>(L * d), 1.0f);
+  std::vector<float> qneg(static_cast<std::size_t>(rows * d), 0.0f);
+  for (Index i = 0; i < rows; ++i) qneg[static_cast<std::size_t>(i * d)] = -inf;
+  check_driver(groups, rows, d, L, 16, 2, qneg, ones, v);
+}
+
+TEST_CASE("Prefetcher stays inside its range and spreads it over the planned steps", "[kernels]") {
+  std::vector<char> buffer(10000);
+  detail::Prefetcher p(buffer.data(), 1000);
+  p.plan(4);
+  CHECK(p.lines_per_step == 4);  // 16 lines over 4 steps
+  for (int i = 0; i < 3; ++i) p.step();
+  CHECK(p.next == buffer.data() + 12 * 64);
+  p.step();
+  p.step();
+  CHECK(p.next >= p.end);
+  detail::Prefetcher few(buffer.data(), 128);  // 2 lines over 10 steps: one every 5
+  few.plan(10);
+  CHECK(few.period == 5);
+  for (int i = 0; i < 4; ++i) few.step();
+  CHECK(few.next == buffer.data());
+  few.step();
+  CHECK(few.next == buffer.data() + 64);
+  detail::Prefetcher none(buffer.data(), 0);
+  none.plan(3);
+  none.step();
+  none.finish();
+  CHECK(none.next == none.end);
+}
+
+namespace {
+
+// attend through each mechanism's decode ops equals the reference step on the same
+// cache (the rows as stored, widened): float compute, so a float tolerance.
+template <class S, class Layer, class Fill>
+void check_layer(const Layer& layer, Index length, Fill fill) {
+  auto cache = layer.template make_cache<S>();
+  fill(cache, length);
+  const RowMatrix<float> query = test::random_input<float>(1, layer.query_width(), 41);
+  RowMatrix<float> heads(1, layer.heads_width());
+  auto ws = layer.make_workspace(Threads{2});
+  for (const Threads threads : {Threads{1}, Threads{2}}) {
+    layer.attend(query, cache, heads, ws, threads);
+    const RowMatrix<float> want = reference::decode_step(layer, cache, query);
+    CAPTURE(length, threads.count, sizeof(S));
+    CHECK(test::relative_error(heads, want) <= 1e-5);
+  }
+}
+
+}  // namespace
+
+namespace {
+const GqaLayer<float>& gqa_layer16() {  // 3 query rows per KV head of 32
+  static const auto layer = GqaLayer<float>::random(gqa_config(96, 6, 32, 2), 7);
+  return layer;
+}
+}  // namespace
+
+TEST_CASE("Every mechanism's decode ops equal the reference step (fp32, bf16)", "[kernels]") {
+  const RopeConfig rope{RopeLayout::half_split, 10000.0, 3};
+  auto fill_gqa = [](auto& cache, Index n) {
+    const Index w = cache.config().n_kv_heads * cache.config().head_dim;
+    cache.append(test::random_input<float>(n, w, 1), test::random_input<float>(n, w, 2));
+  };
+  auto fill_mla = [](auto& cache, Index n) {
+    const auto& c = cache.config();
+    cache.append(test::random_input<float>(n, c.kv_rank, 3),
+                 test::random_input<float>(n, c.rope_dim, 4));
+  };
+  auto fill_lrkv = [](auto& cache, Index n) {
+    const auto& c = cache.config();
+    const Index hr = c.n_heads * c.rank;
+    const RowMatrix<float> rms = RowMatrix<float>::Constant(n, c.key_norm ? c.n_heads : 0, 0.9f);
+    cache.append({test::random_input<float>(n, c.head_dim, 5),
+                  test::random_input<float>(n, c.head_dim, 6), test::random_input<float>(n, hr, 7),
+                  test::random_input<float>(n, hr, 8),
+                  test::random_input<float>(n, c.decoupled_dim(), 9), rms});
+  };
+  MlaConfig mla;
+  mla.d_model = 48;
+  mla.n_heads = 5;
+  mla.kv_rank = 59;
+  mla.q_rank = 0;
+  mla.qk_nope_dim = 16;
+  mla.rope_dim = 16;
+  mla.v_dim = 12;
+  LrkvConfig lrkv{48, 5, 64, 54, LrkvRopeMode::shared, rope};
+  lrkv.key_norm = true;
+  const auto gqa_layer = GqaLayer<float>::random(gqa_config(96, 6, 40, 2, rope), 1);
+  const auto mha_layer = GqaLayer<float>::random(mha_config(99, 3, 33), 2);
+  const auto mla_layer = MlaLayer<float>::random(mla, 3);
+  MlaConfig mla16 = mla;  // d_c a multiple of 16: bf16 latents summed in pairs (AVX2)
+  mla16.kv_rank = 64;
+  const auto mla16_layer = MlaLayer<float>::random(mla16, 5);
+  // d_h a multiple of 16, one query row per group: bf16 rows scored in pairs too.
+  const auto mha16_layer = GqaLayer<float>::random(mha_config(96, 2, 48, rope), 6);
+  const auto lrkv_layer = LrkvLayer<float>::random(lrkv, 4, 0.5);
+  for (const Index length : {1, 37, 700}) {
+    check_layer<float>(gqa_layer, length, fill_gqa);
+    check_layer<Eigen::bfloat16>(gqa_layer, length, fill_gqa);
+    check_layer<float>(mha_layer, length, fill_gqa);
+    check_layer<float>(mla_layer, length, fill_mla);
+    check_layer<Eigen::bfloat16>(mla_layer, length, fill_mla);
+    check_layer<Eigen::bfloat16>(mla16_layer, length, fill_mla);
+    check_layer<Eigen::bfloat16>(mha16_layer, length, fill_gqa);
+    check_layer<Eigen::bfloat16>(gqa_layer16(), length, fill_gqa);
+    check_layer<float>(lrkv_layer, length, fill_lrkv);
+    check_layer<Eigen::bfloat16>(lrkv_layer, length, fill_lrkv);
+  }
+}
