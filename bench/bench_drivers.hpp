@@ -205,6 +205,11 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
   cost.bytes = slots.reads[0].bytes();
   cost.cache_bytes = static_cast<double>(slots.caches[0].bytes());
   cost.flops = expanded ? mech.expanded_flops(L) : mech.attend_flops(L);
+  if (!expanded) {
+    const auto predicted = mech.template analysis_cost<S>(L);
+    cost.predicted_bytes = predicted.bytes;
+    cost.predicted_flops = predicted.flops;
+  }
   report(state, cost, limits, T);
   state.counters["block_bytes"] = benchmark::Counter(mech.block_bytes(L, sizeof(S)));
   if constexpr (std::is_same_v<S, float>) {

@@ -1,6 +1,8 @@
 // Shared helpers of kvattn_bench (see bench_util.hpp).
 #include "bench_util.hpp"
 
+#include <kvattn/analysis/decode_cost.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -229,6 +231,11 @@ void report(benchmark::State& state, const Cost& cost, const Limits& limits, int
   state.counters["flop_ref"] = Counter(flop_ref);
   state.counters["roofline_frac"] = Counter(bound_seconds * iterations, Counter::kIsRate);
   state.SetLabel(memory_seconds >= compute_seconds ? "bound:memory" : "bound:compute");
+  if (cost.predicted_bytes > 0 && bw_ref > 0 && flop_ref > 0) {
+    const kvattn::analysis::StepCost predicted{cost.predicted_bytes, cost.predicted_flops};
+    state.counters["predicted_seconds"] =
+        Counter(kvattn::analysis::roofline_seconds(predicted, {bw_ref, flop_ref}));
+  }
 }
 
 int rotation_count(double slot_bytes) {

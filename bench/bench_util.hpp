@@ -117,11 +117,15 @@ struct Cost {
   double bytes = 0;
   double cache_bytes = 0;
   double flops = 0;
+  // The analysis module's prediction of the step (attend_cost), when there is one:
+  // report() turns it into predicted_seconds with this run's bw_ref and flop_ref.
+  double predicted_bytes = 0;
+  double predicted_flops = 0;
 };
 
-/// Sets bytes_per_second, bytes, cache_bytes, flops, bw_ref, flop_ref and
-/// roofline_frac (measuring flop_ref now, with `threads`), and the label
-/// "bound:memory" or "bound:compute".
+/// Sets bytes_per_second, bytes, cache_bytes, flops, bw_ref, flop_ref, roofline_frac
+/// and (with a prediction) predicted_seconds (measuring flop_ref now, with `threads`), and the
+/// label "bound:memory" or "bound:compute".
 void report(benchmark::State& state, const Cost& cost, const Limits& limits, int threads);
 
 // ---- Cache rotation -------------------------------------------------------------------

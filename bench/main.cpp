@@ -21,9 +21,9 @@
 //   decode/<mech>/L:<L>/T:<T>           L in {1024, 4096, 16384, 65536}, all six mechs.
 //       layer.attend(query, cache, heads, workspace, Threads{T}) over a cache of L
 //       tokens filled with the raw append (each rotation slot has its workspace, made by
-//       make_workspace(Threads{T}) before timing: no step allocates): the attention step of the newest cached token, projected
-//       query in, per-head outputs (before W_O) out. MLA's absorption through W_UK
-//       and W_UV and LRKV's through B^K and B^V are part of the step.
+//       make_workspace(Threads{T}) before timing: no step allocates): the attention step of the
+//       newest cached token, projected query in, per-head outputs (before W_O) out. MLA's
+//       absorption through W_UK and W_UV and LRKV's through B^K and B^V are part of the step.
 //   decode_naive/<mech>/L:<L>/T:<T>     the baseline: the attention step as a competent
 //       Eigen user would write it over the same fp32 cache buffers (bench/naive.hpp), in
 //       the faster of two forms, picked per run by timing one step of each (the label
@@ -87,6 +87,10 @@
 //                     (a best-of-20 calibration runs before the first benchmark). The
 //                     best, because on a shared machine a single GEMM is often
 //                     preempted, and flop_ref is the attainable rate.
+//   predicted_seconds decode/ and decode_bf16/ rows: the analysis module's prediction of
+//                     the step, analysis::roofline_seconds(attend_cost(config, L,
+//                     storage), {bw_ref, flop_ref}) (bytes and FLOPs from the config
+//                     alone; flops above is attend_cost's too).
 //   roofline_frac     max(bytes / bw_ref, flops / flop_ref) / time per step: the
 //                     fraction of the attainable speed the step reaches (1 = at the
 //                     bound). The label says which bound applies (bound:memory or

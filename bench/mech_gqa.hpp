@@ -4,6 +4,8 @@
 #include <random>
 #include <string>
 
+#include <kvattn/analysis/decode_cost.hpp>
+
 #include <kvattn/attention/gqa.hpp>
 
 #include "bench_util.hpp"
@@ -73,7 +75,13 @@ struct GqaMech {
 
   // Per query head and cached token: q.k (d_h multiply-adds) and a * v (d_h
   // multiply-adds): 4 H L d_h. The softmax's H L exponentials are not counted.
-  double attend_flops(Index L) const { return 4.0 * H() * static_cast<double>(L) * dh(); }
+  double attend_flops(Index L) const { return analysis_cost<float>(L).flops; }
+  // The analysis module's bytes and FLOPs of the step (analysis/decode_cost.hpp): the
+  // library's prediction, which the report sets beside the measurement.
+  template <class S>
+  kvattn::analysis::StepCost analysis_cost(Index L) const {
+    return kvattn::analysis::attend_cost(config, L, kvattn::analysis::storage_of<S>());
+  }
   // The reference materializes each head's K and V (copies, no arithmetic), then does
   // the same products.
   double expanded_flops(Index L) const { return attend_flops(L); }

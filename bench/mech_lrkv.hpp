@@ -4,6 +4,8 @@
 #include <random>
 #include <string>
 
+#include <kvattn/analysis/decode_cost.hpp>
+
 #include <kvattn/attention/lrkv.hpp>
 
 #include "bench_util.hpp"
@@ -102,9 +104,12 @@ struct LrkvMech {
   // Factored step (seed 000, Eqs. 6-7): per head q~_h = q_h B_h^K (2 d_h r) and
   // (a_h R_h^V) B_h^V^T (2 r d_h); per head and token q_h . k~_s,t (2 d_h) +
   // q~_h . r~_h,t (2 r) and a (v_s,t | r^V_h,t) (2 d_h + 2 r) (+ q^R . k~_R: 2 d_R).
-  double attend_flops(Index L) const {
-    return static_cast<double>(L) * H() * (4.0 * dh() + 4.0 * r() + 2.0 * dr()) +
-           4.0 * H() * dh() * r();
+  double attend_flops(Index L) const { return analysis_cost<float>(L).flops; }
+  // The analysis module's bytes and FLOPs of the step (analysis/decode_cost.hpp): the
+  // library's prediction, which the report sets beside the measurement.
+  template <class S>
+  kvattn::analysis::StepCost analysis_cost(Index L) const {
+    return kvattn::analysis::attend_cost(config, L, kvattn::analysis::storage_of<S>());
   }
   // Expanded step (reference::decode_step): per head and token the residual key and value
   // R B^T (2 r d_h each), the value sum v_s + ... (d_h) and, without a rotated shared

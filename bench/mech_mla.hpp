@@ -4,6 +4,8 @@
 #include <random>
 #include <string>
 
+#include <kvattn/analysis/decode_cost.hpp>
+
 #include <kvattn/attention/mla.hpp>
 
 #include "bench_util.hpp"
@@ -79,9 +81,12 @@ struct MlaMech {
   // Absorbed step: q~_h = q_h^nope W_UK_h^T (2 H d_nope d_c), per head and token the
   // logit [q~_h | q_h^R] . [c_t | k_R,t] (2 (d_c + d_R)) and the latent accumulation
   // a c_t (2 d_c), then o_h = o-bar_h W_UV_h (2 H d_c d_v).
-  double attend_flops(Index L) const {
-    return 2.0 * H() * dn() * dc() + 2.0 * H() * dc() * dv() +
-           static_cast<double>(L) * H() * (2.0 * (dc() + dr()) + 2.0 * dc());
+  double attend_flops(Index L) const { return analysis_cost<float>(L).flops; }
+  // The analysis module's bytes and FLOPs of the step (analysis/decode_cost.hpp): the
+  // library's prediction, which the report sets beside the measurement.
+  template <class S>
+  kvattn::analysis::StepCost analysis_cost(Index L) const {
+    return kvattn::analysis::attend_cost(config, L, kvattn::analysis::storage_of<S>());
   }
   // Expanded step: K_h^nope = C W_UK_h and V_h = C W_UV_h for every token and head
   // (2 L H d_c (d_nope + d_v)), then per head and token q.k at width d_nope + d_R and

@@ -395,6 +395,12 @@ HOW_TO_READ = """\
   means the step runs as fast as its bytes can be read or its FLOPs done at those
   rates; above 1.0 is possible when the data fits a cache the reference pass did not.
 - **bound** is `memory` when bytes / bw_ref ≥ flops / flop_ref, else `compute`.
+- **predicted** (`predicted_seconds`, `decode*/` rows) is the analysis module's
+  prediction of the step, `analysis::roofline_seconds(attend_cost(config, L, storage),
+  {bw_ref, flop_ref})`: the bytes and FLOPs it derives from the config alone, at this
+  run's measured limits; the same formula as `kvcalc --bandwidth/--flops`. Measured
+  time / predicted = 1 / roofline_frac when the benchmark reads exactly the predicted
+  bytes.
 - **vs naive** (`vs_naive` counter, `decode/` rows) = time(`decode_naive`, same
   mechanism, L, T) / time of the row, both measured in this run: how much faster
   kvattn's step is than the obvious Eigen code over the same cache buffers (per-head
@@ -432,15 +438,16 @@ def mechanism_tables(entries, index):
                 str(e.L),
                 str(e.T),
                 fmt_time(e.time),
+                fmt_time(e.counter("predicted_seconds")),
                 fmt_rate(bps / 1e9 if bps is not None else None),
                 fmt_num(e.roofline_frac()),
                 e.bound() or DASH,
                 fmt_ratio(e.counter("vs_naive")),
                 fmt_ratio(speedup),
             ])
-        lines += table(["benchmark", "L", "T", "time / step", "cache GB/s",
+        lines += table(["benchmark", "L", "T", "time / step", "predicted", "cache GB/s",
                         "roofline_frac", "bound", "vs naive", "speedup vs expanded"],
-                       body, "lrrrrrlrr")
+                       body, "lrrrrrrlrr")
         lines.append("")
     return lines
 
