@@ -1,6 +1,7 @@
 # The include structure of the library (docs/api.md, "Layout"), checked as a CTest test
 # (structure.includes): cmake -DROOT=<include dir> -P check_includes.cmake
-#   cache/      never includes attention/ or detail/ (a cache holds tokens only)
+#   cache/      never includes attention/, detail/ or analysis/ (a cache holds tokens
+#               only, and stands on config/ and core/)
 #   analysis/   never includes attention/ or detail/, nor Eigen (through core/types.hpp),
 #               except head_diversity.hpp, which reads a layer's weights
 #   config/     never includes Eigen
@@ -27,7 +28,8 @@ function(check_folder folder pattern why)
   set(_failures "${_failures}" PARENT_SCOPE)
 endfunction()
 
-check_folder(cache "kvattn/(attention|detail)/" "a cache holds tokens only")
+check_folder(cache "kvattn/(attention|detail|analysis)/"
+             "a cache holds tokens only and needs config/ and core/ alone")
 check_folder(analysis "kvattn/(attention|detail)/|<Eigen/|kvattn/core/types.hpp"
              "the analytic module needs configs only, and no Eigen")
 check_folder(config "<Eigen/|kvattn/core/types.hpp|kvattn/(attention|cache|detail)/"

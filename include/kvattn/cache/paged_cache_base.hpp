@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "kvattn/analysis/dtype.hpp"
 #include "kvattn/cache/page_pool.hpp"
 #include "kvattn/cache/paged_rows.hpp"
 #include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/core/dtype.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/index.hpp"
 
@@ -21,8 +21,8 @@ namespace kvattn::detail {
 template <class S>
 std::string page_layout_name(const std::string& cache, const std::string& config,
                              Index page_tokens) {
-  return cache + " " + config + " " + std::string(analysis::to_string(analysis::dtype_of<S>())) +
-         ", " + std::to_string(page_tokens) + " tokens per page";
+  return cache + " " + config + " " + std::string(kvattn::to_string(kvattn::dtype_of<S>())) + ", " +
+         std::to_string(page_tokens) + " tokens per page";
 }
 
 /// The members every paged cache has. `Config` is the mechanism's config type.

@@ -6,7 +6,6 @@
 #include <memory>
 #include <string>
 
-#include "kvattn/analysis/dtype.hpp"
 #include "kvattn/cache/gqa_cache.hpp"
 #include "kvattn/cache/kv_cache.hpp"
 #include "kvattn/cache/page_pool.hpp"
