@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/lrkv.hpp"
 #include "kvattn/attention/mla.hpp"
+#include "kvattn/cache/page_pool.hpp"
 #include "kvattn/pooling/token_mask.hpp"
 #include "test_util.hpp"
 
@@ -166,8 +168,23 @@ TEST_CASE("every kvattn exception is a std::exception, its standard base and kva
     analysis::elements_per_token(analysis::cache_layout(gqa_config(1024, 1024, 1024, 1024)),
                                  Index{1} << 60);
   });
+  // A capacity whose size in bytes cannot be represented (cache/token_buffer.hpp).
+  check_catchable<kvattn::length_error, std::length_error>([] {
+    GqaCache<float> cache(gqa_config(8, 2, 4, 2));
+    cache.reserve(std::numeric_limits<Index>::max());
+  });
+  // A pool of one page, asked for a second (cache/page_pool.hpp).
+  check_catchable<pool_exhausted, std::runtime_error>([] {
+    PagePool pool("test layout", 4, 64, 1);
+    pool.acquire();
+    pool.acquire();
+  });
   // The mixin base alone is not a std::exception (no ambiguous std::exception base).
   static_assert(!std::is_base_of_v<std::exception, kvattn::error>);
   static_assert(std::is_base_of_v<kvattn::error, config_error>);
   static_assert(std::is_base_of_v<std::invalid_argument, shape_error>);
+  static_assert(std::is_base_of_v<std::length_error, kvattn::length_error> &&
+                std::is_base_of_v<kvattn::error, kvattn::length_error>);
+  static_assert(std::is_base_of_v<std::runtime_error, pool_exhausted> &&
+                std::is_base_of_v<kvattn::error, pool_exhausted>);
 }

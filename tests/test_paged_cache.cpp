@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -132,6 +133,14 @@ TEST_CASE("an exhausted pool is a clear error that changes nothing",
   CHECK(pool->pages_in_use() == 3);
   CHECK_THROWS_AS(a.reserve(13), pool_exhausted);
   CHECK(a.capacity() == 12);
+  // More pages than the whole pool holds, up to the largest n (no overflow rounding it
+  // up to pages, no std::length_error from the block table): pool_exhausted, unchanged.
+  CHECK_THROWS_WITH(a.reserve(std::numeric_limits<Index>::max()),
+                    Catch::Contains("the pool holds 3 in all"));
+  CHECK_THROWS_AS(a.reserve(std::numeric_limits<Index>::max() - 1), pool_exhausted);
+  CHECK(a.capacity() == 12);
+  CHECK(a.block_table().size() == 3);
+  CHECK(pool->pages_in_use() == 3);
   // A pool of another layout is refused.
   CHECK_THROWS_WITH(PagedGqaCache<float>(gqa_config(8, 2, 4, 2), pool),
                     Catch::Contains("make_gqa_page_pool"));

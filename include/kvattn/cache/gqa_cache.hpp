@@ -120,8 +120,8 @@ class GqaCache {
   }
 
   GqaConfig config_;
-  TokenBuffer<S> keys_;
-  TokenBuffer<S> values_;
+  detail::TokenBuffer<S> keys_;
+  detail::TokenBuffer<S> values_;
 };
 
 static_assert(detail::check_kv_cache<GqaCache<float>>());

@@ -219,7 +219,7 @@ class LrkvCache {
     config.validate();
     return config;
   }
-  static Map view(const TokenBuffer<S>& buffer, Index first_col, Index cols) {
+  static Map view(const detail::TokenBuffer<S>& buffer, Index first_col, Index cols) {
     // An unallocated buffer has no data pointer to offset (UB even with 0 rows).
     const S* base = buffer.capacity() > 0 ? buffer.row(0, 0) + first_col : nullptr;
     return Map(base, buffer.tokens(), cols, Eigen::OuterStride<>(buffer.width()));
@@ -231,9 +231,9 @@ class LrkvCache {
   }
 
   LrkvConfig config_;
-  TokenBuffer<S> keys_;
-  TokenBuffer<S> values_;
-  TokenBuffer<norm_type> norms_;
+  detail::TokenBuffer<S> keys_;
+  detail::TokenBuffer<S> values_;
+  detail::TokenBuffer<norm_type> norms_;
 };
 
 static_assert(detail::check_kv_cache<LrkvCache<float>>());

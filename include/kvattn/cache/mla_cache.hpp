@@ -30,7 +30,7 @@ class MlaCache {
  public:
   using compute_type = T;
   using storage_type = S;
-  using Rows = typename TokenBuffer<S>::ConstBlock;
+  using Rows = typename detail::TokenBuffer<S>::ConstBlock;
 
   /// Already-projected rows for append: latents n x d_c and rope keys n x d_R
   /// (rotated already, each at its own position).
@@ -125,7 +125,7 @@ class MlaCache {
   }
 
   MlaConfig config_;
-  TokenBuffer<S> rows_;  // one block of width d_c + d_R
+  detail::TokenBuffer<S> rows_;  // one block of width d_c + d_R
 };
 
 static_assert(detail::check_kv_cache<MlaCache<float>>());

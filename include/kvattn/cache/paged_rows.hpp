@@ -104,11 +104,20 @@ class PagedRows {
     return reinterpret_cast<const S*>(address(block, t));
   }
 
-  /// Room for `n` tokens in all: acquires the missing pages (all of them, or none:
-  /// pool_exhausted leaves the table as it was).
+  /// Room for `n` (>= 0) tokens in all: acquires the missing pages (all of them, or
+  /// none: pool_exhausted leaves the table as it was, also when n needs more pages
+  /// than the whole pool holds).
   void reserve(Index n) {
-    const Index needed = (n + layout_.page_tokens - 1) / layout_.page_tokens;
+    // Pages for n tokens, rounded up without forming n + page_tokens - 1 (n may be
+    // near the Index maximum).
+    const Index needed = n / layout_.page_tokens + (n % layout_.page_tokens != 0 ? 1 : 0);
     if (needed <= pages()) return;
+    if (needed > pool_->max_pages()) {
+      throw pool_exhausted("PagePool (" + pool_->layout() + "): " + std::to_string(n) +
+                           " tokens need " + std::to_string(needed) + " pages of " +
+                           std::to_string(layout_.page_tokens) + " tokens, the pool holds " +
+                           std::to_string(pool_->max_pages()) + " in all; make a larger pool");
+    }
     std::vector<Index> fresh;
     fresh.reserve(static_cast<std::size_t>(needed - pages()));
     table_.reserve(static_cast<std::size_t>(needed));  // may throw: before any page

@@ -1,4 +1,5 @@
-// A growable per-token buffer laid out block-major, the building block of caches.
+// A growable per-token buffer laid out block-major, the building block of caches
+// (internal: kvattn::detail; the caches expose read-only views of it).
 #pragma once
 
 #include <algorithm>
@@ -12,7 +13,7 @@
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
 
-namespace kvattn {
+namespace kvattn::detail {
 
 /// Stores, for each cached token, `blocks` rows of `width` scalars of type S (for
 /// example one block per KV head). Block b's tokens are contiguous:
@@ -46,16 +47,16 @@ class TokenBuffer {
   std::size_t capacity_bytes() const { return data_.size() * sizeof(S); }
 
   /// A copy with room for `capacity` tokens (>= tokens()). May throw std::bad_alloc,
-  /// or std::length_error when capacity x elements per token cannot be represented;
+  /// or kvattn::length_error when capacity x elements per token cannot be represented;
   /// *this is untouched either way.
   TokenBuffer grown(Index capacity) const {
     const Index per_token = std::max(Index{1}, blocks_ * width_);  // validated configs fit
     constexpr auto max_elements =
         static_cast<Index>(PTRDIFF_MAX / static_cast<std::ptrdiff_t>(sizeof(S)));
     if (capacity < 0 || capacity > max_elements / per_token) {
-      throw std::length_error("TokenBuffer: a capacity of " + std::to_string(capacity) +
-                              " tokens of " + std::to_string(per_token) +
-                              " elements does not fit in memory");
+      throw kvattn::length_error("TokenBuffer: a capacity of " + std::to_string(capacity) +
+                                 " tokens of " + std::to_string(per_token) +
+                                 " elements does not fit in memory");
     }
     TokenBuffer next(blocks_, width_);
     next.data_ = AlignedBuffer<S>(static_cast<std::size_t>(capacity * blocks_ * width_));
@@ -111,8 +112,6 @@ class TokenBuffer {
   AlignedBuffer<S> data_;  // 64-byte aligned; huge-page advised when large
 };
 
-namespace detail {
-
 /// Capacity after geometric growth to hold at least `needed` tokens.
 inline Index grown_capacity(Index current, Index needed) {
   const Index doubled = current > PTRDIFF_MAX / 2 ? Index{PTRDIFF_MAX} : current * 2;
@@ -127,5 +126,4 @@ inline void check_truncate(const char* where, Index n, Index tokens) {
   }
 }
 
-}  // namespace detail
-}  // namespace kvattn
+}  // namespace kvattn::detail

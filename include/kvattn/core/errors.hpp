@@ -1,8 +1,12 @@
 // Error types thrown by every public call on bad input, in every build type.
 //
 // Every kvattn exception derives from kvattn::error and from one standard exception:
-//   config_error, shape_error, pooling_error   std::invalid_argument
-//   overflow_error                             std::overflow_error
+//   config_error, shape_error                  std::invalid_argument (here)
+//   overflow_error                             std::overflow_error (here)
+//   length_error                               std::length_error (here)
+//   pooling_error                              std::invalid_argument (pooling/token_mask.hpp)
+//   pool_exhausted                             std::runtime_error (cache/page_pool.hpp)
+//   hf_config_error                            std::invalid_argument (analysis/hf_config.hpp)
 // kvattn::error does not derive from std::exception itself: if it did, each of these
 // would hold two std::exception bases and `catch (const std::exception&)` would be
 // ambiguous and stop catching them. So `catch (const std::exception&)`, a catch by the
@@ -53,6 +57,14 @@ class overflow_error : public std::overflow_error, public error {
  public:
   using std::overflow_error::overflow_error;
   const char* what() const noexcept override { return std::overflow_error::what(); }
+};
+
+/// A cache capacity (tokens x elements per token) whose size in bytes cannot be
+/// represented: the reserve or append that asked for it changed nothing.
+class length_error : public std::length_error, public error {
+ public:
+  using std::length_error::length_error;
+  const char* what() const noexcept override { return std::length_error::what(); }
 };
 
 namespace detail {
