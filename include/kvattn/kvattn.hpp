@@ -1,7 +1,9 @@
-// Umbrella header: every public kvattn header except the expanded references
+// Umbrella header: every header under kvattn/ except the expanded references
 // (include "kvattn/reference/..." for those), the self-attention pool that runs them
 // ("kvattn/pooling/self_attention_pool.hpp"), and the Hugging Face config parser
 // ("kvattn/analysis/hf_config.hpp", which needs nlohmann-json: target kvattn::hf_config).
+// The internal headers (detail/, cache/aligned_buffer.hpp, cache/token_buffer.hpp,
+// config/rules.hpp, core/checked.hpp) come in through the headers that use them.
 #pragma once
 
 #include "kvattn/analysis/budget.hpp"
@@ -27,18 +29,19 @@
 #include "kvattn/cache/paged_lrkv_cache.hpp"
 #include "kvattn/cache/paged_mla_cache.hpp"
 #include "kvattn/cache/paged_rows.hpp"
-#include "kvattn/cache/token_buffer.hpp"
 #include "kvattn/config/gqa_config.hpp"
 #include "kvattn/config/lrkv_config.hpp"
 #include "kvattn/config/mla_config.hpp"
 #include "kvattn/config/rope_config.hpp"
 #include "kvattn/config/yarn_config.hpp"
+#include "kvattn/core/dtype.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/index.hpp"
 #include "kvattn/core/mask.hpp"
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
+#include "kvattn/core/simd.hpp"
 #include "kvattn/core/softmax.hpp"
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
