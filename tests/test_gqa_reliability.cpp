@@ -171,8 +171,9 @@ TEST_CASE("a failed append or reserve leaves the cache exactly as it was", "[rel
 
   CHECK_THROWS_AS(cache.append(RowMatrix<double>::Ones(2, 12), RowMatrix<double>::Ones(3, 12)),
                   shape_error);
-  // An allocation that cannot succeed: std::length_error before any memory is touched.
-  CHECK_THROWS_AS(cache.reserve(std::numeric_limits<Index>::max() / 4), std::length_error);
+  // An allocation that cannot succeed: kvattn::length_error (a std::length_error) before
+  // any memory is touched.
+  CHECK_THROWS_AS(cache.reserve(std::numeric_limits<Index>::max() / 4), kvattn::length_error);
   CHECK_THROWS_AS(layer.prefill(RowMatrix<double>::Ones(2, 13), cache), shape_error);
 
   CHECK(cache.tokens() == 5);
