@@ -10,6 +10,14 @@
 // armed, and the eigen_assert below turns that one assertion into a counted
 // allocation). C allocations by the OpenMP runtime are not counted: libgomp ends the
 // process when its own allocations fail, so tests start the thread team before arming.
+// Nor is Eigen's realloc (conservativeResize), which kvattn does not use.
+//
+// Counting: while armed, every allocation above takes one from the countdown, and the
+// one that takes it from 1 to 0 fails; it sets `injected` and records its form in
+// `injected_form`. So after a call, !injected means the call made fewer allocations
+// than the countdown (a run of the sweep that ends it), and injected with no exception
+// out of the call means the failure was swallowed inside it. tests/test_fault_injection.cpp
+// checks every form.
 #pragma once
 
 #define EIGEN_RUNTIME_NO_MALLOC
@@ -26,27 +34,39 @@ void eigen_assertion(const char* expression);
   } while (false)
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 
 namespace kvattn::test::fault {
 
 inline std::atomic<bool> armed{false};
-inline std::atomic<long> countdown{0};    // the allocation that takes it to 0 fails
-inline std::atomic<long> allocations{0};  // allocations seen while armed
+inline std::atomic<long> countdown{0};     // the allocation that takes it to 0 fails
+inline std::atomic<long> allocations{0};   // allocations seen while armed
+inline std::atomic<bool> injected{false};  // the armed allocation has failed since arm()
+/// The form of the allocation that failed ("operator new(size_t, nothrow_t)", "Eigen",
+/// ...); nullptr before it fails.
+inline std::atomic<const char*> injected_form{nullptr};
 
-/// Called for every allocation: true for the one that must fail.
-inline bool next_allocation_fails() {
+/// Called for every allocation, with its form: true for the one that must fail.
+inline bool next_allocation_fails(const char* form) {
   if (!armed.load(std::memory_order_relaxed)) return false;
   ++allocations;
-  return countdown.fetch_sub(1) == 1;
+  if (countdown.fetch_sub(1) != 1) return false;
+  injected_form = form;
+  injected = true;
+  return true;
 }
 
-/// From now on the n-th allocation (n >= 1) fails with std::bad_alloc.
+/// From now on the n-th allocation (n >= 1) fails with std::bad_alloc (the nothrow
+/// forms return nullptr).
 inline void arm(long n) {
   allocations = 0;
   countdown = n;
+  injected = false;
+  injected_form = nullptr;
   Eigen::internal::set_is_malloc_allowed(false);  // every Eigen allocation asks us
   armed = true;
 }
@@ -61,7 +81,7 @@ inline void disarm() {
 /// assertion and throws std::logic_error.
 inline void eigen_assertion(const char* expression) {
   if (std::strstr(expression, "heap allocation is forbidden") != nullptr) {
-    if (next_allocation_fails()) throw std::bad_alloc();
+    if (next_allocation_fails("Eigen aligned_malloc")) throw std::bad_alloc();
     return;
   }
   throw std::logic_error(std::string("eigen_assert failed: ") + expression);
@@ -78,47 +98,56 @@ bool throws_bad_alloc(Body&& body) {
   return false;
 }
 
-inline void* allocate(std::size_t size) {
-  if (next_allocation_fails()) return nullptr;
-  return std::malloc(size == 0 ? 1 : size);
+inline void* allocate(std::size_t size, const char* form) {
+  if (next_allocation_fails(form)) return nullptr;
+  return std::malloc(std::max<std::size_t>(size, 1));
 }
 
-inline void* allocate_aligned(std::size_t size, std::align_val_t alignment) {
-  if (next_allocation_fails()) return nullptr;
+inline void* allocate_aligned(std::size_t size, std::align_val_t alignment, const char* form) {
+  if (next_allocation_fails(form)) return nullptr;
   const auto align = static_cast<std::size_t>(alignment);
-  const std::size_t rounded = (size == 0 ? 1 : size + align - 1) / align * align;
-  return std::aligned_alloc(align, rounded);
+  // aligned_alloc wants a multiple of the alignment; a size of 0 still gets a unique
+  // block (max(size, 1)), and a size too large to round up is an allocation failure.
+  const std::size_t bytes = std::max<std::size_t>(size, 1);
+  if (bytes > SIZE_MAX - (align - 1)) return nullptr;
+  return std::aligned_alloc(align, (bytes + align - 1) / align * align);
 }
 
 }  // namespace kvattn::test::fault
 
 void* operator new(std::size_t size) {
-  if (void* p = kvattn::test::fault::allocate(size)) return p;
+  if (void* p = kvattn::test::fault::allocate(size, "operator new(size_t)")) return p;
   throw std::bad_alloc();
 }
 void* operator new[](std::size_t size) {
-  if (void* p = kvattn::test::fault::allocate(size)) return p;
+  if (void* p = kvattn::test::fault::allocate(size, "operator new[](size_t)")) return p;
   throw std::bad_alloc();
 }
 void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  return kvattn::test::fault::allocate(size);
+  return kvattn::test::fault::allocate(size, "operator new(size_t, nothrow_t)");
 }
 void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
-  return kvattn::test::fault::allocate(size);
+  return kvattn::test::fault::allocate(size, "operator new[](size_t, nothrow_t)");
 }
 void* operator new(std::size_t size, std::align_val_t alignment) {
-  if (void* p = kvattn::test::fault::allocate_aligned(size, alignment)) return p;
+  if (void* p = kvattn::test::fault::allocate_aligned(size, alignment,
+                                                      "operator new(size_t, align_val_t)"))
+    return p;
   throw std::bad_alloc();
 }
 void* operator new[](std::size_t size, std::align_val_t alignment) {
-  if (void* p = kvattn::test::fault::allocate_aligned(size, alignment)) return p;
+  if (void* p = kvattn::test::fault::allocate_aligned(size, alignment,
+                                                      "operator new[](size_t, align_val_t)"))
+    return p;
   throw std::bad_alloc();
 }
 void* operator new(std::size_t size, std::align_val_t alignment, const std::nothrow_t&) noexcept {
-  return kvattn::test::fault::allocate_aligned(size, alignment);
+  return kvattn::test::fault::allocate_aligned(size, alignment,
+                                               "operator new(size_t, align_val_t, nothrow_t)");
 }
 void* operator new[](std::size_t size, std::align_val_t alignment, const std::nothrow_t&) noexcept {
-  return kvattn::test::fault::allocate_aligned(size, alignment);
+  return kvattn::test::fault::allocate_aligned(size, alignment,
+                                               "operator new[](size_t, align_val_t, nothrow_t)");
 }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
