@@ -299,8 +299,9 @@ void run_naive(benchmark::State& state, const M& mech) {
   if (it > 0) record_naive(mech.name, L, T, step_seconds / static_cast<double>(it));
 }
 
-/// layer_decode/<mech>: layer.decode(x, cache, out, threads) (projections, append,
-/// attention over L + 1 tokens, W_O), then cache.truncate(L).
+/// layer_decode/<mech>: layer.decode(x, cache, out, workspace, threads) (projections,
+/// append, attention over L + 1 tokens, W_O) with each slot's own workspace, made for
+/// these threads (so the step allocates nothing), then cache.truncate(L).
 template <class M, class S>
 void run_layer_decode(benchmark::State& state, const M& mech) {
   const Index L = state.range(0);

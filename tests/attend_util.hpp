@@ -9,7 +9,8 @@
 
 namespace kvattn::test {
 
-// Widths of attend's query and heads arguments (docs/api.md, "The decode step").
+// Widths of attend's query and heads arguments (docs/api.md, "The layer contract",
+// "The attention step").
 inline Index query_width(const GqaConfig& c) { return c.n_heads * c.head_dim; }
 inline Index query_width(const MlaConfig& c) { return c.query_width(); }
 inline Index query_width(const LrkvConfig& c) { return c.query_width(); }
