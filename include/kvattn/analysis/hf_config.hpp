@@ -11,9 +11,11 @@
 //
 // Hostile input is refused with one line naming the input and the field, never a crash:
 // at most HfReadOptions::max_bytes (16 MiB) are read, files must be regular files
-// (checked before opening, so a FIFO or /dev/zero is refused at once), nesting deeper
-// than max_depth (64) levels is refused while parsing, and only the fields read below
-// are kept, so parse time is linear in the input and memory a small multiple of it.
+// (checked before opening, so a FIFO or /dev/zero is refused at once, and on POSIX
+// again on the opened descriptor, so a file swapped for a FIFO in between cannot make
+// the read block), nesting deeper than max_depth (64) levels is refused while parsing,
+// and only the fields read below are kept, so parse time is linear in the input and
+// memory a small multiple of it.
 #pragma once
 
 #include <algorithm>
@@ -26,6 +28,7 @@
 #include <filesystem>
 #include <fstream>
 #include <istream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -36,6 +39,17 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+// POSIX (Debian, the target; macOS): read_hf_config reads through one descriptor it
+// has checked with fstat. Elsewhere it opens a std::ifstream after the path's checks.
+#if defined(__unix__) || defined(__APPLE__)
+#define KVATTN_DETAIL_HF_POSIX 1
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#else
+#define KVATTN_DETAIL_HF_POSIX 0
+#endif
 
 #include "kvattn/analysis/cache_size.hpp"
 #include "kvattn/analysis/dtype.hpp"
@@ -765,6 +779,94 @@ inline const char* hf_file_kind(std::filesystem::file_type type) {
   }
 }
 
+/// "<where> is larger than the 16 MiB limit (17,825,792 bytes); ..." for a file whose
+/// size is known before reading it.
+[[noreturn]] inline void hf_fail_file_size(const std::string& where, std::uintmax_t size,
+                                           std::size_t max_bytes) {
+  hf_fail(where + " is larger than the " + hf_limit_text(max_bytes) + " limit (" +
+          hf_with_commas(static_cast<Index>(std::min<std::uintmax_t>(
+              size, static_cast<std::uintmax_t>(std::numeric_limits<Index>::max())))) +
+          " bytes); a Hugging Face config.json is a few KB");
+}
+
+#if KVATTN_DETAIL_HF_POSIX
+/// Closes a file descriptor on every way out of hf_read_file.
+class HfDescriptor {
+ public:
+  explicit HfDescriptor(int fd) : fd_(fd) {}
+  HfDescriptor(const HfDescriptor&) = delete;
+  HfDescriptor& operator=(const HfDescriptor&) = delete;
+  ~HfDescriptor() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+/// "a FIFO", "a character device", ... for an fstat mode that is not a regular file.
+inline const char* hf_mode_kind(mode_t mode) {
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+/// Reads the regular file at `path`, at most max_bytes, through one descriptor: opened
+/// with O_NONBLOCK (a FIFO put in the file's place after read_hf_config's checks on
+/// the path opens at once instead of waiting for a writer) and O_CLOEXEC, then fstat on
+/// that descriptor must say a regular file of at most max_bytes; what is checked is
+/// what is read. Messages as read_hf_config's.
+inline std::string hf_read_file(const std::filesystem::path& path, const std::string& where,
+                                std::size_t max_bytes) {
+  int fd = -1;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int error = errno;
+    if (error == ENOENT) hf_fail(where + ": no such file");
+    hf_fail(where + " cannot be opened: " + std::strerror(error));
+  }
+  const HfDescriptor file(fd);
+  struct stat info {};
+  if (::fstat(file.get(), &info) != 0) {
+    const int error = errno;
+    hf_fail(where + " cannot be opened: " + std::strerror(error));
+  }
+  if (S_ISDIR(info.st_mode)) {
+    hf_fail(where + " is a directory; give the config.json file inside it");
+  }
+  if (!S_ISREG(info.st_mode)) {
+    hf_fail(where + " is " + hf_mode_kind(info.st_mode) +
+            ", not a regular file; give a config.json file");
+  }
+  if (info.st_size > 0 && static_cast<std::uintmax_t>(info.st_size) > max_bytes) {
+    hf_fail_file_size(where, static_cast<std::uintmax_t>(info.st_size), max_bytes);
+  }
+  // The size can change while reading (and /proc files report 0): the cap holds anyway.
+  std::string text;
+  std::string chunk(std::size_t{1} << 16, '\0');
+  for (;;) {
+    const ssize_t got = ::read(file.get(), chunk.data(), chunk.size());
+    if (got < 0) {
+      const int error = errno;
+      if (error == EINTR) continue;
+      hf_fail(where + " cannot be read: " + std::strerror(error));
+    }
+    if (got == 0) break;
+    text.append(chunk.data(), static_cast<std::size_t>(got));
+    if (text.size() > max_bytes) {
+      hf_fail(where + " is larger than the " + hf_limit_text(max_bytes) +
+              " limit; a Hugging Face config.json is a few KB");
+    }
+  }
+  return text;
+}
+#endif
+
 }  // namespace detail
 
 /// Parses the text of a config.json. Throws hf_config_error (one line naming
@@ -783,8 +885,10 @@ inline HfModel parse_hf_config(std::istream& in, const HfReadOptions& options = 
 }
 
 /// Reads the config.json at `path`. The file must be a regular file (a directory,
-/// FIFO, socket or device such as /dev/zero is refused before it is opened) of at most
-/// max_bytes; messages start with options.label (default "config file '<path>'").
+/// FIFO, socket or device such as /dev/zero is refused before it is opened; on POSIX
+/// the opened descriptor is checked again, and the file read through it, so swapping
+/// the file in between cannot make the read block) of at most max_bytes; messages
+/// start with options.label (default "config file '<path>'").
 inline HfModel read_hf_config(const std::filesystem::path& path, HfReadOptions options = {}) {
   if (options.label.empty()) options.label = "config file '" + path.string() + "'";
   if (options.file_name.empty()) options.file_name = path.filename().string();
@@ -802,12 +906,12 @@ inline HfModel read_hf_config(const std::filesystem::path& path, HfReadOptions o
     detail::hf_fail(where + " is " + detail::hf_file_kind(status.type()) +
                     ", not a regular file; give a config.json file");
   }
+#if KVATTN_DETAIL_HF_POSIX
+  const std::string text = detail::hf_read_file(path, where, options.max_bytes);
+  return detail::hf_parse(text, options);
+#else
   const std::uintmax_t size = std::filesystem::file_size(path, ec);
-  if (!ec && size > options.max_bytes) {
-    detail::hf_fail(where + " is larger than the " + detail::hf_limit_text(options.max_bytes) +
-                    " limit (" + detail::hf_with_commas(static_cast<Index>(size)) +
-                    " bytes); a Hugging Face config.json is a few KB");
-  }
+  if (!ec && size > options.max_bytes) detail::hf_fail_file_size(where, size, options.max_bytes);
   errno = 0;
   std::ifstream in(path, std::ios::binary);
   if (!in) {
@@ -816,6 +920,7 @@ inline HfModel read_hf_config(const std::filesystem::path& path, HfReadOptions o
         (errno != 0 ? std::string(std::strerror(errno)) : std::string("unknown error")));
   }
   return parse_hf_config(in, options);
+#endif
 }
 
 }  // namespace analysis
