@@ -7,7 +7,9 @@
 
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <string>
 
 #include "kvattn/analysis/budget.hpp"
 #include "kvattn/analysis/cache_size.hpp"
@@ -26,6 +28,61 @@ namespace {
 
 constexpr Index k32 = Index{1} << 32;
 constexpr Index k62 = Index{1} << 62;
+
+/// Every call that takes a Threads (prefill, decode and attend with and without a
+/// workspace, MLA's prefill in each mode, make_workspace) refuses counts outside
+/// [0, kMax] with a config_error before any work: the cache, exactly full so that one
+/// more token would grow it, keeps its tokens, capacity and bytes. The same calls with
+/// Threads{2} then succeed, so the error is the count's.
+template <class Layer>
+void check_threads_bound(const Layer& layer) {
+  using T = typename Layer::scalar_type;
+  const Index d = layer.config().d_model;
+  auto cache = layer.make_cache();
+  while (cache.tokens() < 16 || cache.tokens() < cache.capacity()) {
+    layer.prefill(test::random_input<T>(1, d, 40 + static_cast<std::uint64_t>(cache.tokens())),
+                  cache, Threads{1});
+  }
+  REQUIRE(cache.tokens() == cache.capacity());
+  const Index tokens = cache.tokens(), capacity = cache.capacity();
+  const std::size_t bytes = cache.bytes();
+  const RowMatrix<T> x = test::random_input<T>(5, d, 2);
+  const RowMatrix<T> query = test::random_input<T>(1, layer.query_width(), 3);
+  RowMatrix<T> out(1, d);
+  RowMatrix<T> heads(1, layer.heads_width());
+  auto ws = layer.make_workspace(Threads{1});
+  const auto each_call = [&](Threads threads, auto&& expect) {
+    expect("prefill", [&] { layer.prefill(x, cache, threads); });
+    if constexpr (requires { layer.prefill(x, cache, threads, MlaPrefill::expanded); }) {
+      for (const MlaPrefill mode :
+           {MlaPrefill::automatic, MlaPrefill::expanded, MlaPrefill::absorbed}) {
+        expect("prefill (MLA mode " + std::to_string(static_cast<int>(mode)) + ")",
+               [&] { layer.prefill(x, cache, threads, mode); });
+      }
+    }
+    expect("decode", [&] { layer.decode(x.topRows(1), cache, out, threads); });
+    expect("decode with a workspace", [&] { layer.decode(x.topRows(1), cache, out, ws, threads); });
+    expect("attend", [&] { layer.attend(query, cache, heads, threads); });
+    expect("attend with a workspace", [&] { layer.attend(query, cache, heads, ws, threads); });
+    expect("make_workspace", [&] { (void)layer.make_workspace(threads); });
+  };
+  for (const int count : {INT_MAX, Threads::kMax + 1, 100000, -1, INT_MIN}) {
+    each_call(Threads{count}, [&](const std::string& call, auto&& run) {
+      INFO(call << " with Threads{" << count << "}");
+      CHECK_THROWS_WITH(run(), Contains("Threads: count (" + std::to_string(count) + ")"));
+      CHECK_THROWS_AS(run(), config_error);
+      CHECK(cache.tokens() == tokens);
+      CHECK(cache.capacity() == capacity);
+      CHECK(cache.bytes() == bytes);
+    });
+  }
+  // Valid: each call runs (the prefills and decodes grow the cache).
+  each_call(Threads{2}, [&](const std::string& call, auto&& run) {
+    INFO(call << " with Threads{2}");
+    CHECK_NOTHROW(run());
+  });
+  CHECK(cache.tokens() > tokens);
+}
 
 }  // namespace
 
@@ -100,17 +157,21 @@ TEST_CASE("Threads above the documented maximum are a config_error, before any w
   CHECK_NOTHROW(Threads{Threads::kMax}.resolved());
   CHECK(Threads::all().resolved() >= 1);
   CHECK(Threads::all().resolved() <= Threads::kMax);
-  const auto layer = GqaLayer<float>::random(gqa_config(16, 4, 4, 2), 1);
-  auto cache = layer.make_cache();
-  const RowMatrix<float> x = test::random_input<float>(5, 16, 2);
-  CHECK_THROWS_AS(layer.prefill(x, cache, Threads{INT_MAX}), config_error);
-  CHECK_THROWS_AS(layer.prefill(x, cache, Threads{100000}), config_error);
-  CHECK(cache.tokens() == 0);
-  CHECK(cache.capacity() == 0);
-  RowMatrix<float> out(1, 16);
-  CHECK_THROWS_AS(layer.decode(x.topRows(1), cache, out, Threads{INT_MAX}), config_error);
-  CHECK_THROWS_AS(layer.make_workspace(Threads{INT_MAX}), config_error);
-  CHECK(cache.tokens() == 0);
+  SECTION("GQA") { check_threads_bound(GqaLayer<float>::random(gqa_config(16, 4, 4, 2), 1)); }
+  SECTION("MLA") {
+    MlaConfig c;
+    c.d_model = 20;
+    c.n_heads = 3;
+    c.kv_rank = 12;
+    c.q_rank = 8;
+    c.q_norm = true;
+    c.qk_nope_dim = 6;
+    c.rope_dim = 4;
+    c.v_dim = 5;
+    c.rope = {RopeLayout::interleaved, 10000.0, 2};
+    check_threads_bound(MlaLayer<float>::random(c, 1));
+  }
+  SECTION("LRKV") { check_threads_bound(LrkvLayer<float>::random(LrkvConfig{16, 4, 8, 2}, 1)); }
 }
 
 TEST_CASE("budget solvers at the 64-bit limit answer instead of overflowing",
