@@ -77,6 +77,13 @@ target_compile_definitions(kvattn_options INTERFACE EIGEN_DONT_PARALLELIZE)
 # ours to fix (kvattn's own bf16 widening uses the zero-masking intrinsics that do not
 # warn), so kvattn's own targets compiled for AVX-512 turn those two warnings off; all
 # other warnings stay errors. Consumers are unaffected: kvattn::kvattn carries no flags.
+#
+# "Compiled for AVX-512" is what the compiler sees, not which option asked for it:
+#   kvattn_avx512 (-march=x86-64-v4) carries the two flags itself;
+#   every other kvattn target gets them (through kvattn_warnings) when the flags it is
+#   built with define __AVX512F__: CMAKE_CXX_FLAGS, the build type's flags and
+#   -march=native under KVATTN_NATIVE (so CMAKE_CXX_FLAGS=-march=x86-64-v4 or -mavx512f,
+#   or -march=native on an AVX-512 machine, builds under -Werror).
 set(_kvattn_avx512_quiet "")
 if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
   set(_kvattn_avx512_quiet -Wno-uninitialized -Wno-maybe-uninitialized)
@@ -89,17 +96,37 @@ if(NOT MSVC AND CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
     add_library(kvattn_avx512 INTERFACE)
     target_compile_options(kvattn_avx512 INTERFACE -march=x86-64-v4 ${_kvattn_avx512_quiet})
   endif()
-  # -march=native on an AVX-512 machine compiles the same Eigen code.
-  if(KVATTN_NATIVE AND _kvattn_avx512_quiet)
+  if(_kvattn_avx512_quiet)
+    # try_compile adds CMAKE_CXX_FLAGS itself; the build type's flags and -march=native
+    # go in through CMAKE_REQUIRED_FLAGS.
+    set(_kvattn_probe_flags "")
+    if(CMAKE_BUILD_TYPE)
+      string(TOUPPER "${CMAKE_BUILD_TYPE}" _kvattn_config)
+      set(_kvattn_probe_flags "${CMAKE_CXX_FLAGS_${_kvattn_config}}")
+    endif()
+    if(KVATTN_NATIVE)
+      string(APPEND _kvattn_probe_flags " -march=native")
+    endif()
+    # The result is cached: probe again whenever the flags it was probed with change.
+    set(_kvattn_probe_key "${CMAKE_CXX_FLAGS} | ${_kvattn_probe_flags}")
+    if(NOT _kvattn_probe_key STREQUAL "${KVATTN_AVX512_PROBED_WITH}")
+      unset(KVATTN_FLAGS_ENABLE_AVX512 CACHE)
+      set(KVATTN_AVX512_PROBED_WITH "${_kvattn_probe_key}" CACHE INTERNAL
+          "the flags KVATTN_FLAGS_ENABLE_AVX512 was probed with")
+    endif()
     include(CheckCXXSourceCompiles)
-    set(CMAKE_REQUIRED_FLAGS -march=native)
+    set(CMAKE_REQUIRED_FLAGS "${_kvattn_probe_flags}")
     check_cxx_source_compiles("#ifndef __AVX512F__
 #error no AVX-512
 #endif
-int main() { return 0; }" KVATTN_NATIVE_IS_AVX512)
+int main() { return 0; }" KVATTN_FLAGS_ENABLE_AVX512)
     unset(CMAKE_REQUIRED_FLAGS)
-    if(KVATTN_NATIVE_IS_AVX512)
+    if(KVATTN_FLAGS_ENABLE_AVX512)
       target_compile_options(kvattn_warnings INTERFACE ${_kvattn_avx512_quiet})
+    endif()
+    if(KVATTN_FLAGS_ENABLE_AVX512)
+      message(STATUS "kvattn: the flags enable AVX-512 (GCC < 13: -Wno-uninitialized "
+                     "-Wno-maybe-uninitialized on kvattn's own targets)")
     endif()
   endif()
 endif()
