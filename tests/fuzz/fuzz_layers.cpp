@@ -1,23 +1,34 @@
 // Structured fuzz target: bytes -> a small bounded layer config (GQA/MHA/MQA, MLA or
 // LRKV; dimensions up to a few dozen, sometimes invalid on purpose) and a sequence of
-// calls (prefill, decode, attend, truncate, append, reserve, and wrongly shaped
-// arguments) on it, with inputs and weights drawn from a seeded N(0, 1) — raw bytes as
-// floats would be NaN soup. The property: every call either throws a documented kvattn
-// exception (config_error, shape_error) and leaves the cache as it was, or returns a
-// result equal to the expanded reference (reference::decode_step on the cache's own
-// rows, through W_O for whole-layer outputs) to 1e-10 in double — the equivalence
-// tests' bound, loosened by 100x for the fuzzer's degenerate shapes (d = 1, one-token
-// caches). A violation aborts, which libFuzzer reports as a crash.
+// calls (prefill — MLA's in the mode the input picks: automatic, expanded, absorbed, or
+// an invalid one that must be refused — decode, attend, truncate, append, reserve, and
+// wrongly shaped arguments) on it, with inputs and weights drawn from a seeded N(0, 1)
+// — raw bytes as floats would be NaN soup — and the cache storing double or bf16 (the
+// input picks). The property: every call either throws a documented kvattn exception
+// (config_error, shape_error) and leaves the cache's tokens, capacity and bytes as they
+// were, or returns a result equal to the expanded reference (reference::decode_step on
+// the cache's own rows, through W_O for whole-layer outputs) to 1e-10 in double — the
+// equivalence tests' bound, loosened by 100x for the fuzzer's degenerate shapes (d = 1,
+// one-token caches). A violation aborts, which libFuzzer reports as a crash.
+//
+// The same bound for bf16 storage, honestly: the reference reads the cache's stored
+// (rounded) rows widened to double, and the layers attend over exactly those rounded
+// values too (prefill stages the new rows rounded to S before attending; decode and
+// attend read the cache), so bf16 rounding is on both sides and only double arithmetic
+// differs. What bf16 changes against a double cache (up to ~1.6e-2 relative,
+// test_storage_bf16.cpp) is not what is compared here.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <type_traits>
 
 #include "../attend_util.hpp"
 #include "../test_util.hpp"
 #include "kvattn/analysis/params.hpp"
+#include "kvattn/attention/mla.hpp"
 #include "kvattn/reference/gqa.hpp"
 #include "kvattn/reference/lrkv.hpp"
 #include "kvattn/reference/mla.hpp"
@@ -141,21 +152,24 @@ struct RowsStore {
   Mat m[6];
 };
 
-GqaCache<double>::rows_type make_rows(const GqaCache<double>& cache, Index n, std::mt19937_64& rng,
-                                      RowsStore& s) {
+template <class S>
+typename GqaCache<double, S>::rows_type make_rows(const GqaCache<double, S>& cache, Index n,
+                                                  std::mt19937_64& rng, RowsStore& s) {
   const Index w = cache.config().kv_width();
   s.m[0] = random_normal<double>(n, w, rng);
   s.m[1] = random_normal<double>(n, w, rng);
   return {s.m[0], s.m[1]};
 }
-MlaCache<double>::rows_type make_rows(const MlaCache<double>& cache, Index n, std::mt19937_64& rng,
-                                      RowsStore& s) {
+template <class S>
+typename MlaCache<double, S>::rows_type make_rows(const MlaCache<double, S>& cache, Index n,
+                                                  std::mt19937_64& rng, RowsStore& s) {
   s.m[0] = random_normal<double>(n, cache.config().kv_rank, rng);
   s.m[1] = random_normal<double>(n, cache.config().rope_dim, rng);
   return {s.m[0], s.m[1]};
 }
-LrkvCache<double>::rows_type make_rows(const LrkvCache<double>& cache, Index n,
-                                       std::mt19937_64& rng, RowsStore& s) {
+template <class S>
+typename LrkvCache<double, S>::rows_type make_rows(const LrkvCache<double, S>& cache, Index n,
+                                                   std::mt19937_64& rng, RowsStore& s) {
   const LrkvConfig& c = cache.config();
   s.m[0] = random_normal<double>(n, c.head_dim, rng);
   s.m[1] = random_normal<double>(n, c.head_dim, rng);
@@ -166,29 +180,51 @@ LrkvCache<double>::rows_type make_rows(const LrkvCache<double>& cache, Index n,
   return {s.m[0], s.m[1], s.m[2], s.m[3], s.m[4], s.m[5]};
 }
 
-// Runs `call`; a kvattn::error must leave the cache's token count and bytes as they were
-// (the fault-injection tests check the rows bitwise; here the cheap part, every run).
+// Runs `call`; a kvattn::error must leave the cache's token count, capacity and bytes
+// as they were (the fault-injection tests check the rows bitwise; here the cheap part,
+// every run).
 template <class Cache, class Call>
 bool run_checked(const Cache& cache, const std::string& what, Call call) {
   const Index tokens = cache.tokens();
+  const Index capacity = cache.capacity();
   const std::size_t bytes = cache.bytes();
   try {
     call();
     return true;
   } catch (const kvattn::error&) {
-    if (cache.tokens() != tokens || cache.bytes() != bytes) {
-      violation(what + " threw but changed the cache");
+    if (cache.tokens() != tokens || cache.capacity() != capacity || cache.bytes() != bytes) {
+      violation(what + " threw but changed the cache (tokens " + std::to_string(tokens) + " -> " +
+                std::to_string(cache.tokens()) + ", capacity " + std::to_string(capacity) + " -> " +
+                std::to_string(cache.capacity()) + ")");
     }
     return false;
   }
 }
 
-template <class Layer>
+// MLA's prefill in the mode the input picks (a fourth value is no MlaPrefill and must be
+// refused with a config_error); the other layers have one prefill.
+template <class Layer, class Cache>
+bool prefill_checked(const Layer& layer, const Mat& x, Cache& cache, Threads threads, Bytes& in,
+                     Mat& y) {
+  if constexpr (std::is_same_v<Layer, MlaLayer<double>>) {
+    const Index pick = in.in(0, 3);
+    const auto mode = static_cast<MlaPrefill>(pick);
+    const std::string what = "prefill (MLA mode " + std::to_string(pick) + ")";
+    const bool ran = run_checked(cache, what, [&] { y = layer.prefill(x, cache, threads, mode); });
+    if (ran && pick == 3) violation("MLA prefill accepted mode 3, which is no MlaPrefill");
+    return ran;
+  } else {
+    (void)in;
+    return run_checked(cache, "prefill", [&] { y = layer.prefill(x, cache, threads); });
+  }
+}
+
+template <class S, class Layer>
 void run_calls(const Layer& layer, Bytes& in, std::uint64_t seed) {
-  using Cache = typename Layer::template cache_type<double>;
+  using Cache = typename Layer::template cache_type<S>;
   std::mt19937_64 rng(seed);
   const Index d = layer.config().d_model;
-  auto cache = layer.make_cache(in.in(0, 8));
+  Cache cache = layer.template make_cache<S>(in.in(0, 8));
   const Threads threads{static_cast<int>(in.in(1, 3))};
   auto workspace = layer.make_workspace(threads);
   for (int step = 0; step < 12 && !in.done(); ++step) {
@@ -197,7 +233,7 @@ void run_calls(const Layer& layer, Bytes& in, std::uint64_t seed) {
         const Mat x = random_normal<double>(in.in(0, 20), d, rng);
         const Index past = cache.tokens();
         Mat y;
-        if (run_checked(cache, "prefill", [&] { y = layer.prefill(x, cache, threads); })) {
+        if (prefill_checked(layer, x, cache, threads, in, y)) {
           expect_close(y, reference_outputs(layer, cache, x, past), "prefill");
         }
         break;
@@ -271,7 +307,11 @@ void run_mechanism(const Config& config, Bytes& in) {
     return;  // a refused config (or a parameter count past 2^63): documented
   }
   const auto layer = Layer::random(config, seed);
-  run_calls(layer, in, seed + 1);
+  if (in.flag()) {
+    run_calls<Eigen::bfloat16>(layer, in, seed + 1);
+  } else {
+    run_calls<double>(layer, in, seed + 1);
+  }
 }
 
 }  // namespace
