@@ -13,25 +13,39 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kvattn/attention/attention_layer.hpp"
+#include "kvattn/attention/decode_batch.hpp"
 #include "kvattn/cache/gqa_cache.hpp"
+#include "kvattn/cache/paged_gqa_cache.hpp"
 #include "kvattn/config/gqa_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rope.hpp"
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/batch_attention.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
+
+namespace detail {
+/// The caches a GqaLayer<T> reads and writes: GqaCache<T, S> and PagedGqaCache<T, S>.
+template <class Cache, class T>
+inline constexpr bool is_gqa_cache = false;
+template <class T, class S>
+inline constexpr bool is_gqa_cache<GqaCache<T, S>, T> = true;
+template <class T, class S>
+inline constexpr bool is_gqa_cache<PagedGqaCache<T, S>, T> = true;
+}  // namespace detail
 
 /// The projection weights of a GQA-family layer (`in x out`, Y = X * W).
 template <class T>
@@ -109,6 +123,10 @@ class GqaLayer {
   struct Workspace {
     RowVector<T> query, key, value, heads;  // 1 x H*d_h, n_kv*d_h, n_kv*d_h, H*d_h
     detail::SplitScratch<T> split;          // partial softmax states per thread
+    // decode_batch: B rows of the same, and the batch's units and states.
+    RowMatrix<T> batch_query, batch_key, batch_value, batch_heads;
+    RowMatrix<T> batch_stacked;  // with a shared prefix: each group's query rows, stacked
+    detail::BatchScratch<T> batch;
   };
 
   /// Validates the config and the weights' shapes (config_error / shape_error).
@@ -156,9 +174,11 @@ class GqaLayer {
   ///
   /// With threads, the projections are split by output column and the attention by
   /// (query head, query tile).
-  template <class S>
-  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache,
-                       Threads threads = {}) const {
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T> RowMatrix<T> prefill(const ConstMatrixRef<T>& x,
+                                                               Cache& cache, Threads threads = {})
+  const {
+    using S = typename Cache::storage_type;
     constexpr const char* where = "GqaLayer::prefill";
     check_cache(cache, where);
     detail::check_shape(where, "x", x, -1, config_.d_model);
@@ -173,7 +193,8 @@ class GqaLayer {
     query *= scale_;
     // The new keys and values as the cache will store them (rounded to S).
     const Staged<S> staged(key, value);
-    const detail::CausalShape shape{past, past, dh, std::is_same_v<S, T> ? 0 : dh};
+    const detail::CausalShape shape{past, past, dh, std::is_same_v<S, T> ? 0 : dh,
+                                    detail::cache_segment(cache)};
     std::vector<detail::CausalScratch<T>> scratch(static_cast<std::size_t>(thread_count));
     for (auto& s : scratch) s.fit(shape);
     RowMatrix<T> heads(length, config_.query_width());
@@ -182,8 +203,9 @@ class GqaLayer {
       const Index h = unit / query_tiles;
       const Index q0 = (unit % query_tiles) * detail::kPrefillTile;
       const Index g = h / config_.group_size();
-      const PrefillOps<S> ops{query.data() + h * dh, query.cols(), key_source(cache, staged, g),
-                              value_source(cache, staged, g), dh};
+      const PrefillOps<S> ops{query.data() + h * dh, query.cols(),
+                              row_source(cache, staged.key_data, g, false),
+                              row_source(cache, staged.value_data, g, true), dh};
       detail::causal_query_tile(shape, scratch[static_cast<std::size_t>(detail::thread_index())],
                                 ops, q0, std::min(detail::kPrefillTile, length - q0),
                                 heads.data() + q0 * heads.cols() + h * dh, heads.cols());
@@ -200,15 +222,17 @@ class GqaLayer {
   /// cached element is read once per step (see attend). Allocates nothing when the
   /// cache has capacity and the workspace was made for at least this thread count. A
   /// call that throws leaves the cache as it was (capacity included).
-  template <class S>
-  void decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache, MatrixRef<T> out, Workspace& ws,
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T>
+  void decode(const ConstMatrixRef<T>& x, Cache& cache, MatrixRef<T> out, Workspace& ws,
               Threads threads = {}) const {
     constexpr const char* where = "GqaLayer::decode";
     check_cache(cache, where);
     detail::check_shape(where, "x", x, 1, config_.d_model);
     detail::check_shape(where, "out", out, 1, config_.d_model);
     const int thread_count = threads.resolved();
-    const auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    plan.segment = detail::cache_segment(cache);
     cache.grow_for(cache.tokens() + 1);
     // Everything that may throw is done; from here the step cannot fail.
     const Index position = cache.tokens();
@@ -228,17 +252,19 @@ class GqaLayer {
   }
 
   /// decode with a workspace of its own (allocates one on every call).
-  template <class S>
-  void decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache, MatrixRef<T> out,
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T>
+  void decode(const ConstMatrixRef<T>& x, Cache& cache, MatrixRef<T> out,
               Threads threads = {}) const {
     Workspace ws = make_workspace(threads);
     decode(x, cache, out, ws, threads);
   }
 
   /// decode returning the 1 x d output (allocates it and a workspace on every call).
-  template <class S>
-  RowVector<T> decode(const ConstMatrixRef<T>& x, GqaCache<T, S>& cache,
-                      Threads threads = {}) const {
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T> RowVector<T> decode(const ConstMatrixRef<T>& x,
+                                                              Cache& cache, Threads threads = {})
+  const {
     RowVector<T> out(config_.d_model);
     decode(x, cache, out, threads);
     return out;
@@ -256,26 +282,113 @@ class GqaLayer {
   /// is read once per step. With threads, KV groups are spread over the threads, and
   /// when there are fewer groups than threads the sequence is split too and the
   /// partial softmax states merged exactly (flash-decoding).
-  template <class S>
-  void attend(const ConstMatrixRef<T>& query, const GqaCache<T, S>& cache, MatrixRef<T> heads,
-              Workspace& ws, Threads threads = {}) const {
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T>
+  void attend(const ConstMatrixRef<T>& query, const Cache& cache, MatrixRef<T> heads, Workspace& ws,
+              Threads threads = {}) const {
     constexpr const char* where = "GqaLayer::attend";
     check_cache(cache, where);
     detail::check_shape(where, "query", query, 1, query_width());
     detail::check_shape(where, "heads", heads, 1, heads_width());
     detail::require_tokens(where, cache.tokens());
     const int thread_count = threads.resolved();
-    const auto plan = prepare(ws, cache.tokens(), thread_count);
+    auto plan = prepare(ws, cache.tokens(), thread_count);
+    plan.segment = detail::cache_segment(cache);
     ws.query = query.row(0);
     attend_prepared(cache, ws, plan, heads.data());
   }
 
   /// attend with a workspace of its own (allocates one on every call).
-  template <class S>
-  void attend(const ConstMatrixRef<T>& query, const GqaCache<T, S>& cache, MatrixRef<T> heads,
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T>
+  void attend(const ConstMatrixRef<T>& query, const Cache& cache, MatrixRef<T> heads,
               Threads threads = {}) const {
     Workspace ws = make_workspace(threads);
     attend(query, cache, heads, ws, threads);
+  }
+
+  /// One new token for each of B sequences (docs/api.md, attention/decode_batch.hpp): x
+  /// and out are B x d, caches B distinct caches of one type. Row s of out is what
+  /// decode(x.row(s), *caches[s], ...) writes, and each cache gets its token. The
+  /// projections are B x d products (the weights read once for the batch); the attention
+  /// runs in (sequence x KV group x token range) units over the threads. With
+  /// options.shared_prefix = P > 0 (paged caches holding tokens [0, P) in the same pool
+  /// pages), each KV group's prefix keys and values are read once for all B sequences'
+  /// query rows and merged with each sequence's own tokens (cascade attention).
+  /// Allocates nothing once the workspace has run a batch of this shape. A call that
+  /// throws appends to no cache and leaves every cache's rows as they were (a cache may
+  /// keep capacity grown for the step; pages taken from a pool are given back).
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T>
+  void decode_batch(const ConstMatrixRef<T>& x, std::span<Cache* const> caches, MatrixRef<T> out,
+                    Workspace& ws, Threads threads = {}, BatchOptions options = {}) const {
+    constexpr const char* where = "GqaLayer::decode_batch";
+    const Index batch = static_cast<Index>(caches.size());
+    detail::check_shape(where, "x", x, batch, config_.d_model);
+    detail::check_shape(where, "out", out, batch, config_.d_model);
+    detail::check_batch_caches(where, caches);
+    for (const Cache* cache : caches) check_cache(*cache, where);
+    const int thread_count = threads.resolved();
+    const Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
+    if (batch == 0) return;
+    prepare_batch(ws, caches, prefix, thread_count);
+    grow_batch(caches);
+    // Everything that may throw is done; from here the step cannot fail.
+    const Index dh = config_.head_dim;
+    const Index group = config_.group_size();
+    detail::parallel_product(x, weights_.w_q, ws.batch_query, thread_count);
+    detail::parallel_product(x, weights_.w_k, ws.batch_key, thread_count);
+    detail::parallel_product(x, weights_.w_v, ws.batch_value, thread_count);
+    for (Index s = 0; s < batch; ++s) {
+      Cache& cache = *caches[static_cast<std::size_t>(s)];
+      auto query = ws.batch_query.row(s);
+      auto key = ws.batch_key.row(s);
+      auto value = ws.batch_value.row(s);
+      if (config_.qkv_bias) {
+        query += weights_.bias_q;
+        key += weights_.bias_k;
+        value += weights_.bias_v;
+      }
+      const double position = static_cast<double>(config_.rope.position_offset + cache.tokens());
+      rope_.rotate(key.data(), position, config_.n_kv_heads, dh);
+      rope_.rotate(query.data(), position, config_.n_heads, dh);
+      query *= scale_;
+      if (DecodeOps<Cache>::paired_score(group, dh)) {
+        for (Index h = 0; h < config_.n_heads; ++h) detail::to_paired(query.data() + h * dh, dh);
+      }
+      cache.append_token(key, value);
+    }
+    // Sources 0 ... B-1: the sequences; source B: the shared prefix, read through the first
+    // cache with every sequence's query rows of a group stacked.
+    if (prefix > 0) stack_prefix_queries(ws, batch);
+    const T* stacked = ws.batch_stacked.data();
+    const bool paired = DecodeOps<Cache>::paired_score(group, dh);
+    detail::run_batch(ws.batch, [&](Index source) {
+      if (source == batch) {
+        return DecodeOps<Cache>{*caches[0], stacked, batch * group, dh, batch * group * dh, paired};
+      }
+      return DecodeOps<Cache>{*caches[static_cast<std::size_t>(source)],
+                              ws.batch_query.row(source).data(),
+                              group,
+                              dh,
+                              group * dh,
+                              paired};
+    });
+    detail::finish_batch(ws.batch, ws.batch_heads.data());
+    if (detail::paired_rows<T, typename Cache::storage_type>(dh)) {
+      for (Index r = 0; r < batch * config_.n_heads; ++r)
+        detail::from_paired(ws.batch_heads.data() + r * dh, dh);
+    }
+    detail::parallel_product(ws.batch_heads, weights_.w_o, out, thread_count);
+  }
+
+  /// decode_batch with a workspace of its own (allocates one on every call).
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T>
+  void decode_batch(const ConstMatrixRef<T>& x, std::span<Cache* const> caches, MatrixRef<T> out,
+                    Threads threads = {}, BatchOptions options = {}) const {
+    Workspace ws = make_workspace(threads);
+    decode_batch(x, caches, out, ws, threads, options);
   }
 
   /// Tokens per tile of the decode pass (one online-softmax update per tile): about
@@ -290,8 +403,8 @@ class GqaLayer {
   }
 
  private:
-  template <class S>
-  void check_cache(const GqaCache<T, S>& cache, const char* where) const {
+  template <class Cache>
+  void check_cache(const Cache& cache, const char* where) const {
     detail::require_plain_span(config_, where);
     if (!(cache.config() == config_)) {
       throw config_error(std::string(where) + ": the cache was made for config " +
@@ -341,18 +454,18 @@ class GqaLayer {
     }
   };
 
-  template <class S>
-  detail::RowSource<S> key_source(const GqaCache<T, S>& cache, const Staged<S>& staged,
-                                  Index g) const {
+  // KV group g's keys (or values) for a prefill: the cache's rows, then the new ones.
+  template <class Cache, class S>
+  detail::RowSource<S> row_source(const Cache& cache, const S* fresh, Index g, bool values) const {
     const Index dh = config_.head_dim;
-    return {cache.key_row(g, 0), dh, staged.key_data + g * dh, config_.kv_width(), cache.tokens()};
-  }
-  template <class S>
-  detail::RowSource<S> value_source(const GqaCache<T, S>& cache, const Staged<S>& staged,
-                                    Index g) const {
-    const Index dh = config_.head_dim;
-    return {cache.value_row(g, 0), dh, staged.value_data + g * dh, config_.kv_width(),
-            cache.tokens()};
+    detail::RowSource<S> source{nullptr, dh, fresh + g * dh, config_.kv_width(), cache.tokens()};
+    if constexpr (requires { cache.page_tokens(); }) {
+      source.paged = &cache.rows_;
+      source.block = values ? config_.n_kv_heads + g : g;
+    } else {
+      source.cached = values ? cache.value_row(g, 0) : cache.key_row(g, 0);
+    }
+    return source;
   }
 
   // One query head against its KV group's rows (causal_attention.hpp's ops).
@@ -394,6 +507,55 @@ class GqaLayer {
     return plan;
   }
 
+  // Sizes the workspace and plans the units of a decode_batch step (the caches' lengths
+  // after the new token); may allocate and throw.
+  template <class Cache>
+  void prepare_batch(Workspace& ws, std::span<Cache* const> caches, Index prefix,
+                     int threads) const {
+    const Index batch = static_cast<Index>(caches.size());
+    const Index q_width = config_.query_width();
+    const Index kv_width = config_.kv_width();
+    const Index groups = config_.n_kv_heads;
+    const Index group = config_.group_size();
+    detail::reshape(ws.batch_query, batch, q_width);
+    detail::reshape(ws.batch_key, batch, kv_width);
+    if (prefix > 0) detail::reshape(ws.batch_stacked, batch, q_width);
+    detail::reshape(ws.batch_value, batch, kv_width);
+    detail::reshape(ws.batch_heads, batch, q_width);
+    auto& b = ws.batch;
+    b.tile = decode_tile();
+    b.segment = detail::cache_segment(*caches[0]);
+    b.width = config_.head_dim;
+    b.units.clear();
+    Index slot = 0;
+    detail::plan_batch_units(b.units, slot, caches, prefix, groups, group, b.tile, threads);
+    b.fit(batch * config_.n_heads, threads);
+  }
+
+  // Room for one more token in every cache (all or none, see detail::grow_all).
+  template <class Cache>
+  static void grow_batch(std::span<Cache* const> caches) {
+    detail::grow_all(
+        caches, [](Cache& cache) { cache.grow_for(cache.tokens() + 1); },
+        [](Cache& cache) {
+          if constexpr (requires { cache.page_tokens(); }) cache.rows_.truncate(cache.tokens());
+        });
+  }
+
+  // Every sequence's query rows of KV group g, stacked (B * group_size rows of d_h per
+  // group, groups one after the other), into ws.batch_stacked.
+  void stack_prefix_queries(Workspace& ws, Index batch) const {
+    const Index dh = config_.head_dim;
+    const Index group = config_.group_size();
+    T* stacked = ws.batch_stacked.data();
+    for (Index g = 0; g < config_.n_kv_heads; ++g) {
+      for (Index s = 0; s < batch; ++s) {
+        const T* q = ws.batch_query.row(s).data() + g * group * dh;
+        std::copy(q, q + group * dh, stacked + (g * batch + s) * group * dh);
+      }
+    }
+  }
+
   // One KV group's tiles: logits of the group's query heads (scaled, rotated) against
   // the tile's keys, then the weighted sum of the tile's values. Keys and values are two
   // dense blocks per group, each read front to back a tile at a time. The score pass
@@ -404,29 +566,36 @@ class GqaLayer {
   // bf16 rows are read in pairs (detail::paired_rows) by the accumulate, and by the
   // score when a group has one query row (MHA; with more rows the paired score measured
   // no faster): the query is then in paired order, and the output is put back in order.
-  template <class S>
+  template <class Cache>
   struct DecodeOps {
-    const GqaCache<T, S>& cache;
-    const T* query;  // H x d_h
+    using S = typename Cache::storage_type;
+    const Cache& cache;
+    const T* query;  // group g's rows at query + g * group_stride, d_h apart
     Index group_size;
     Index head_dim;
+    Index group_stride;
+    bool paired_query;  // the query is in paired order (see paired_score)
 
+    // Whether a layer with groups of group_size query rows scores bf16 keys in pairs.
     static bool paired_score(Index group_size, Index head_dim) {
       return group_size == 1 && detail::paired_rows<T, S>(head_dim);
     }
 
     void score(Index group, Index first, Index n, T* logits, Index ld) const {
-      detail::score_rows(query + group * group_size * head_dim, head_dim, group_size, head_dim,
+      detail::score_rows(query + group * group_stride, head_dim, group_size, head_dim,
                          cache.key_row(group, first), head_dim, 0, n, logits, ld, false, nullptr,
-                         nullptr, paired_score(group_size, head_dim));
+                         nullptr, paired_query);
     }
 
     void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc) const {
       const Index row_bytes = head_dim * Index{sizeof(S)};
       const Index ahead = std::max<Index>(1, kPrefetchAhead / row_bytes);
       const Index begin = std::min(cache.tokens(), first + ahead);
-      const Index end = std::min(cache.tokens(), first + n + ahead);
-      detail::Prefetcher values(cache.value_row(group, begin), (end - begin) * row_bytes);
+      // Within one page of a paged cache (rows past it are elsewhere).
+      const Index end =
+          begin + std::min(first + n + ahead - begin, detail::contiguous_rows(cache, begin));
+      detail::Prefetcher values(begin < end ? cache.value_row(group, begin) : nullptr,
+                                (end - begin) * row_bytes);
       detail::accumulate_rows(weights, ld, group_size, cache.value_row(group, first), head_dim, 0,
                               head_dim, n, acc, head_dim, kTokenBlock, &values,
                               detail::paired_rows<T, S>(head_dim));
@@ -440,18 +609,20 @@ class GqaLayer {
 
   // The attention of the newest token with ws.query (projected, not yet rotated) into
   // `heads` (H * d_h scalars). Never throws: prepare() has sized everything.
-  template <class S>
-  void attend_prepared(const GqaCache<T, S>& cache, Workspace& ws, const detail::SplitPlan& plan,
+  template <class Cache>
+  void attend_prepared(const Cache& cache, Workspace& ws, const detail::SplitPlan& plan,
                        T* heads) const {
+    using S = typename Cache::storage_type;
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
     rope_.rotate(ws.query.data(), position, config_.n_heads, config_.head_dim);
     ws.query *= scale_;
     const Index group = config_.group_size();
     const Index dh = config_.head_dim;
-    if (DecodeOps<S>::paired_score(group, dh)) {
+    if (DecodeOps<Cache>::paired_score(group, dh)) {
       for (Index h = 0; h < config_.n_heads; ++h) detail::to_paired(ws.query.data() + h * dh, dh);
     }
-    const DecodeOps<S> ops{cache, ws.query.data(), group, dh};
+    const DecodeOps<Cache> ops{cache, ws.query.data(), group,
+                               dh,    group * dh,      DecodeOps<Cache>::paired_score(group, dh)};
     detail::split_attention(plan, ws.split, ops, heads);
     if (detail::paired_rows<T, S>(dh)) {
       for (Index h = 0; h < config_.n_heads; ++h) detail::from_paired(heads + h * dh, dh);

@@ -19,26 +19,40 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kvattn/attention/attention_layer.hpp"
+#include "kvattn/attention/decode_batch.hpp"
 #include "kvattn/attention/lrkv_weights.hpp"
 #include "kvattn/cache/lrkv_cache.hpp"
+#include "kvattn/cache/paged_lrkv_cache.hpp"
 #include "kvattn/config/lrkv_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/batch_attention.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
+
+namespace detail {
+/// The caches an LrkvLayer<T> reads and writes: LrkvCache<T, S> and PagedLrkvCache<T, S>.
+template <class Cache, class T>
+inline constexpr bool is_lrkv_cache = false;
+template <class T, class S>
+inline constexpr bool is_lrkv_cache<LrkvCache<T, S>, T> = true;
+template <class T, class S>
+inline constexpr bool is_lrkv_cache<PagedLrkvCache<T, S>, T> = true;
+}  // namespace detail
 
 /// An LRKV attention layer (models AttentionLayer). Immutable after construction: one
 /// layer may be used from several threads at once, each with its own workspace.
@@ -64,6 +78,10 @@ class LrkvLayer {
     RowVector<T> heads;             // 1 x H*d_h   per-head outputs o_h
     RowMatrix<T> acc;               // H x (d_h + r)  [a_h V_s | a_h R_h^V]
     detail::SplitScratch<T> split;  // partial softmax states per thread
+    // decode_batch: B rows of the same (acc: B*H rows), and the batch's units and states.
+    RowMatrix<T> batch_query, batch_query_latent, batch_query_rope, batch_key, batch_value,
+        batch_rms, batch_acc, batch_heads;
+    detail::BatchScratch<T> batch;
   };
 
   /// Validates the config and the weights (config_error / shape_error). A rope_mode full
@@ -128,9 +146,11 @@ class LrkvLayer {
   /// softmax over key tiles), so memory is O(L * (d + H * r) + tile^2). The new rows are
   /// appended last: a call that throws leaves the cache as it was. With threads, the
   /// projections are split by output column and the attention by (query tile, head).
-  template <class S>
-  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache,
-                       Threads threads = {}) const {
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T> RowMatrix<T> prefill(const ConstMatrixRef<T>& x,
+                                                                Cache& cache, Threads threads = {})
+  const {
+    using S = typename Cache::storage_type;
     constexpr const char* where = "LrkvLayer::prefill";
     check_factored(where);
     check_cache(cache, where);
@@ -167,12 +187,21 @@ class LrkvLayer {
     const RowMatrix<S> fresh_keys = key.template cast<S>();
     const RowMatrix<S> fresh_values = value.template cast<S>();
     const RowMatrix<norm_type> fresh_rms = rms.template cast<norm_type>();
-    const PrefillSource<S> source{
-        {cache.key_row(0), key_width(), fresh_keys.data(), key_width(), past},
-        {cache.value_row(0), dh + hr, fresh_values.data(), dh + hr, past},
-        {cache.rms_row(0), H, fresh_rms.data(), H, past}};
+    PrefillSource<S> source{{nullptr, key_width(), fresh_keys.data(), key_width(), past},
+                            {nullptr, dh + hr, fresh_values.data(), dh + hr, past},
+                            {nullptr, H, fresh_rms.data(), H, past}};
+    if constexpr (requires { cache.page_tokens(); }) {  // blocks: RMS, keys, values
+      source.rms.paged = source.keys.paged = source.values.paged = &cache.rows_;
+      source.rms.block = 0;
+      source.keys.block = 1;
+      source.values.block = 2;
+    } else {
+      source.keys.cached = cache.key_row(0);
+      source.values.cached = cache.value_row(0);
+      source.rms.cached = cache.rms_row(0);
+    }
     const Index buffer_width = std::is_same_v<S, T> ? 0 : std::max(key_width(), dh + hr);
-    const detail::CausalShape shape{past, past, dh + r, buffer_width};
+    const detail::CausalShape shape{past, past, dh + r, buffer_width, detail::cache_segment(cache)};
     struct PerThread {
       detail::CausalScratch<T> scratch;
       RowMatrix<T> out;  // tile x (d_h + r): [a_h V_s | a_h R_h^V], normalized
@@ -212,8 +241,9 @@ class LrkvLayer {
   /// its row, attends over the whole cache (see attend) and writes the 1 x d output into
   /// `out`. Allocates nothing when the cache has capacity and the workspace was made for
   /// at least this thread count. A call that throws leaves the cache as it was.
-  template <class S>
-  void decode(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache, MatrixRef<T> out, Workspace& ws,
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T>
+  void decode(const ConstMatrixRef<T>& x, Cache& cache, MatrixRef<T> out, Workspace& ws,
               Threads threads = {}) const {
     constexpr const char* where = "LrkvLayer::decode";
     check_factored(where);
@@ -221,7 +251,8 @@ class LrkvLayer {
     detail::check_shape(where, "x", x, 1, config_.d_model);
     detail::check_shape(where, "out", out, 1, config_.d_model);
     const int thread_count = threads.resolved();
-    const auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    plan.segment = detail::cache_segment(cache);
     cache.grow_for(cache.tokens() + 1);
     // Everything that may throw is done; from here the step cannot fail.
     const Index dh = config_.head_dim;
@@ -243,17 +274,19 @@ class LrkvLayer {
   }
 
   /// decode with a workspace of its own (allocates one on every call).
-  template <class S>
-  void decode(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache, MatrixRef<T> out,
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T>
+  void decode(const ConstMatrixRef<T>& x, Cache& cache, MatrixRef<T> out,
               Threads threads = {}) const {
     Workspace ws = make_workspace(threads);
     decode(x, cache, out, ws, threads);
   }
 
   /// decode returning the 1 x d output (allocates it and a workspace on every call).
-  template <class S>
-  RowVector<T> decode(const ConstMatrixRef<T>& x, LrkvCache<T, S>& cache,
-                      Threads threads = {}) const {
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T> RowVector<T> decode(const ConstMatrixRef<T>& x,
+                                                               Cache& cache, Threads threads = {})
+  const {
     RowVector<T> out(config_.d_model);
     decode(x, cache, out, threads);
     return out;
@@ -274,9 +307,10 @@ class LrkvLayer {
   /// per-head key or value of a cached token is formed, and each cached element is read
   /// once per step. With threads, the sequence is split across them and the partial
   /// softmax states merged exactly (flash-decoding).
-  template <class S>
-  void attend(const ConstMatrixRef<T>& query, const LrkvCache<T, S>& cache, MatrixRef<T> heads,
-              Workspace& ws, Threads threads = {}) const {
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T>
+  void attend(const ConstMatrixRef<T>& query, const Cache& cache, MatrixRef<T> heads, Workspace& ws,
+              Threads threads = {}) const {
     constexpr const char* where = "LrkvLayer::attend";
     check_factored(where);
     check_cache(cache, where);
@@ -284,7 +318,8 @@ class LrkvLayer {
     detail::check_shape(where, "heads", heads, 1, heads_width());
     detail::require_tokens(where, cache.tokens());
     const int thread_count = threads.resolved();
-    const auto plan = prepare(ws, cache.tokens(), thread_count);
+    auto plan = prepare(ws, cache.tokens(), thread_count);
+    plan.segment = detail::cache_segment(cache);
     const Index dh = config_.head_dim;
     const Index dr = config_.decoupled_dim();
     for (Index h = 0; h < config_.n_heads; ++h) {
@@ -295,11 +330,108 @@ class LrkvLayer {
   }
 
   /// attend with a workspace of its own (allocates one on every call).
-  template <class S>
-  void attend(const ConstMatrixRef<T>& query, const LrkvCache<T, S>& cache, MatrixRef<T> heads,
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T>
+  void attend(const ConstMatrixRef<T>& query, const Cache& cache, MatrixRef<T> heads,
               Threads threads = {}) const {
     Workspace ws = make_workspace(threads);
     attend(query, cache, heads, ws, threads);
+  }
+
+  /// One new token for each of B sequences, as GqaLayer::decode_batch (docs/api.md): x
+  /// and out are B x d, caches B distinct caches of one type; row s of out is what
+  /// decode(x.row(s), *caches[s], ...) writes. The projections run as products over the B
+  /// rows (the weights read once for the batch). With options.shared_prefix = P > 0
+  /// (paged caches holding tokens [0, P) in the same pool pages), each tile of the
+  /// prefix is read from memory once and scored by every sequence's heads while it is in
+  /// cache (cascade attention). A call that throws appends to no cache.
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T>
+  void decode_batch(const ConstMatrixRef<T>& x, std::span<Cache* const> caches, MatrixRef<T> out,
+                    Workspace& ws, Threads threads = {}, BatchOptions options = {}) const {
+    using S = typename Cache::storage_type;
+    constexpr const char* where = "LrkvLayer::decode_batch";
+    check_factored(where);
+    const Index batch = static_cast<Index>(caches.size());
+    detail::check_shape(where, "x", x, batch, config_.d_model);
+    detail::check_shape(where, "out", out, batch, config_.d_model);
+    detail::check_batch_caches(where, caches);
+    for (const Cache* cache : caches) check_cache(*cache, where);
+    const int thread_count = threads.resolved();
+    const Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
+    if (batch == 0) return;
+    prepare_batch(ws, caches, prefix, thread_count);
+    grow_batch(caches);
+    // Everything that may throw is done; from here the step cannot fail.
+    const Index H = config_.n_heads;
+    const Index dh = config_.head_dim;
+    const Index r = config_.rank;
+    const Index hr = H * r;
+    const Index dr = config_.decoupled_dim();
+    ws.batch_key.leftCols(dh).noalias() = x * weights_.w_k_shared;
+    detail::parallel_product(x, weights_.u_k, ws.batch_key.middleCols(dh, hr), thread_count);
+    ws.batch_key.rightCols(dr).noalias() = x * weights_.w_kr;
+    ws.batch_value.leftCols(dh).noalias() = x * weights_.w_v_shared;
+    detail::parallel_product(x, weights_.u_v, ws.batch_value.rightCols(hr), thread_count);
+    detail::parallel_product(x, weights_.w_q, ws.batch_query, thread_count);
+    ws.batch_query_rope.noalias() = x * weights_.w_qr;
+    for (Index s = 0; s < batch; ++s) {
+      Cache& cache = *caches[static_cast<std::size_t>(s)];
+      const double position = static_cast<double>(config_.rope.position_offset + cache.tokens());
+      auto key = ws.batch_key.row(s);
+      auto value = ws.batch_value.row(s);
+      auto rms = ws.batch_rms.row(s);
+      finish_key(position, key.data(), rms.data(), ws.scratch.data());
+      cache.append_token(key.head(dh), key.segment(dh, hr), key.tail(dr), value.head(dh),
+                         value.tail(hr), rms);
+      finish_query(position, ws.batch_query.row(s).data(), ws.batch_query_latent.row(s).data(),
+                   ws.batch_query_rope.row(s).data());
+    }
+    // Sources 0 ... B-1: the sequences; source B: the shared prefix, every sequence's
+    // heads in turn on each tile (read through the first cache).
+    auto ops_for = [&](const Cache& cache, Index first_sequence, Index sequences) {
+      DecodeOps<Cache> ops{cache,
+                           ws.batch_query.row(first_sequence).data(),
+                           ws.batch_query_latent.row(first_sequence).data(),
+                           ws.batch_query_rope.row(first_sequence).data(),
+                           H,
+                           dh,
+                           r,
+                           dr,
+                           key_width(),
+                           dh + hr,
+                           config_.key_norm};
+      ops.sequences = sequences;
+      return ops;
+    };
+    detail::run_batch(ws.batch, [&](Index source) {
+      if (source == batch) return ops_for(*caches[0], 0, batch);
+      return ops_for(*caches[static_cast<std::size_t>(source)], source, 1);
+    });
+    detail::finish_batch(ws.batch, ws.batch_acc.data());
+    if (detail::paired_rows<T, S>(dh)) {
+      for (Index k = 0; k < batch * H; ++k) detail::from_paired(ws.batch_acc.row(k).data(), dh);
+    }
+    // o_h = a_h V_s + (a_h R_h^V)(B_h^V)^T for all B rows of head h at once.
+    detail::parallel_for(H, thread_count, [&](Index h) {
+      const detail::ConstRowsMap<T> acc(ws.batch_acc.data() + h * (dh + r), batch, dh + r,
+                                        Eigen::OuterStride<>(H * (dh + r)));
+      auto heads = ws.batch_heads.middleCols(h * dh, dh);
+      heads = acc.leftCols(dh);
+      if (r > 0) {
+        heads.noalias() += acc.rightCols(r) * weights_.basis_v.middleCols(h * r, r).transpose();
+      }
+    });
+    detail::parallel_product(ws.batch_heads, weights_.w_o, out, thread_count);
+  }
+
+  /// decode_batch with a workspace of its own (allocates one on every call).
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T>
+  void decode_batch(const ConstMatrixRef<T>& x, std::span<Cache* const> caches, MatrixRef<T> out,
+                    Threads threads = {}, BatchOptions options = {}) const {
+    Workspace ws = make_workspace(threads);
+    decode_batch(x, caches, out, ws, threads, options);
   }
 
   /// Tokens per tile of the decode pass: a cached row is (d_h + H r) wide twice over, so
@@ -326,8 +458,8 @@ class LrkvLayer {
         "expanded full-RoPE model");
   }
 
-  template <class S>
-  void check_cache(const LrkvCache<T, S>& cache, const char* where) const {
+  template <class Cache>
+  void check_cache(const Cache& cache, const char* where) const {
     detail::require_plain_span(config_, where);
     if (!(cache.config() == config_)) {
       throw config_error(std::string(where) + ": the cache was made for config " +
@@ -405,20 +537,63 @@ class LrkvLayer {
     return plan;
   }
 
+  // Sizes the workspace and plans the units of a decode_batch step; may allocate and throw.
+  // The prefix unit's rows are all B sequences' heads (its ops score them block by block).
+  template <class Cache>
+  void prepare_batch(Workspace& ws, std::span<Cache* const> caches, Index prefix,
+                     int threads) const {
+    const Index batch = static_cast<Index>(caches.size());
+    const Index H = config_.n_heads;
+    const Index dh = config_.head_dim;
+    const Index hr = H * config_.rank;
+    detail::reshape(ws.scratch, dh);
+    detail::reshape(ws.batch_query, batch, H * dh);
+    detail::reshape(ws.batch_query_latent, batch, hr);
+    detail::reshape(ws.batch_query_rope, batch, H * config_.decoupled_dim());
+    detail::reshape(ws.batch_key, batch, key_width());
+    detail::reshape(ws.batch_value, batch, dh + hr);
+    detail::reshape(ws.batch_rms, batch, config_.key_norm ? H : 0);
+    detail::reshape(ws.batch_acc, batch * H, dh + config_.rank);
+    detail::reshape(ws.batch_heads, batch, H * dh);
+    auto& b = ws.batch;
+    b.tile = kDecodeTile;
+    b.segment = detail::cache_segment(*caches[0]);
+    b.width = dh + config_.rank;
+    b.units.clear();
+    Index slot = 0;
+    detail::plan_batch_units(b.units, slot, caches, prefix, 1, H, b.tile, threads);
+    b.fit(batch * H, threads);
+  }
+
+  // Room for one more token in every cache (all or none, see detail::grow_all).
+  template <class Cache>
+  static void grow_batch(std::span<Cache* const> caches) {
+    detail::grow_all(
+        caches, [](Cache& cache) { cache.grow_for(cache.tokens() + 1); },
+        [](Cache& cache) {
+          if constexpr (requires { cache.page_tokens(); }) cache.rows_.truncate(cache.tokens());
+        });
+  }
+
   // Every head against a tile of cached rows (one group: all heads share the rows).
   // Accumulator row h is [a_h V_s (d_h) | a_h R_h^V (r)]. A key row is 7 KiB at the
   // benchmark shape and each phase passes over the tile several times (shared part,
   // then each head's residual slice), so the tile is kept small enough for L2 and each
   // phase prefetches what the other reads next: the tile's value rows while its keys
   // are scored, the next tile's key rows while its values are summed.
-  template <class S>
+  template <class Cache>
   struct DecodeOps {
-    const LrkvCache<T, S>& cache;
+    using S = typename Cache::storage_type;
+    const Cache& cache;
     const T* query;         // H x d_h        scaled (and rotated as the mode says)
     const T* query_latent;  // H x r          scaled
     const T* query_rope;    // H x d_R        scaled, rotated (decoupled)
     Index heads, head_dim, rank, rope_dim, key_width, value_width;
     bool key_norm;
+    // Query blocks of H rows scored against each tile one after the other (a shared
+    // prefix's tile, read from memory once, serves every sequence of a batch: logits and
+    // accumulator rows b*H ... b*H + H-1, the queries b*H*d_h etc. on).
+    Index sequences = 1;
 
     // [data, data + bytes) cut in two at `fraction`, for two consecutive kernel calls.
     static std::pair<detail::Prefetcher, detail::Prefetcher> halves(const void* data, Index bytes,
@@ -428,9 +603,33 @@ class LrkvLayer {
       return {detail::Prefetcher(p, first), detail::Prefetcher(p + first, bytes - first)};
     }
 
-    void score(Index, Index first, Index n, T* logits, Index ld) const {
+    void score(Index group, Index first, Index n, T* logits, Index ld) const {
+      for (Index b = 0; b < sequences; ++b) {
+        sequence_ops(b).score_one(group, first, n, logits + b * heads * ld, ld, b == 0);
+      }
+    }
+    void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc) const {
+      for (Index b = 0; b < sequences; ++b) {
+        sequence_ops(b).accumulate_one(group, first, n, weights + b * heads * ld, ld,
+                                       acc + b * heads * (head_dim + rank), b + 1 == sequences);
+      }
+    }
+
+    DecodeOps sequence_ops(Index b) const {
+      DecodeOps ops = *this;
+      ops.query += b * heads * head_dim;
+      ops.query_latent += b * heads * rank;
+      ops.query_rope += b * heads * rope_dim;
+      ops.sequences = 1;
+      return ops;
+    }
+
+    // One block of H query rows; `prefetch`: whether this pass prefetches (the first
+    // score of a tile, the last accumulate: the others find the tile in cache).
+    void score_one(Index, Index first, Index n, T* logits, Index ld, bool prefetch) const {
       const S* rows = cache.key_row(first);
-      detail::Prefetcher values(cache.value_row(first), n * value_width * Index{sizeof(S)});
+      detail::Prefetcher values(prefetch ? cache.value_row(first) : nullptr,
+                                n * value_width * Index{sizeof(S)});
       // q_h . k~_s,t for every head against the shared key (rows read by all heads) + q~_h .
       // r~_h,t, head h reading its own slice (seg = r), in the same register blocks ...
       const detail::SecondDot<T> residual{query_latent, rank, rank, head_dim, rank};
@@ -450,12 +649,14 @@ class LrkvLayer {
       }
     }
 
-    void accumulate(Index, Index first, Index n, const T* weights, Index ld, T* acc) const {
+    void accumulate_one(Index, Index first, Index n, const T* weights, Index ld, T* acc,
+                        bool prefetch) const {
       const S* rows = cache.value_row(first);
       const Index acc_stride = head_dim + rank;
-      const Index ahead = std::max<Index>(0, std::min(n, cache.tokens() - first - n));
-      auto [keys_a, keys_b] = halves(cache.key_row(first + n), ahead * key_width * Index{sizeof(S)},
-                                     rank > 0 ? 0.6 : 1.0);
+      // The next tile's key rows, up to the end of their page (of a paged cache).
+      const Index ahead = prefetch ? std::min(n, detail::contiguous_rows(cache, first + n)) : 0;
+      auto [keys_a, keys_b] = halves(ahead > 0 ? cache.key_row(first + n) : nullptr,
+                                     ahead * key_width * Index{sizeof(S)}, rank > 0 ? 0.6 : 1.0);
       // (bf16 shared values are summed in pairs; attend_prepared restores the order.)
       detail::accumulate_rows(weights, ld, heads, rows, value_width, 0, head_dim, n, acc,
                               acc_stride, kTokenBlock, &keys_a,
@@ -521,25 +722,26 @@ class LrkvLayer {
 
   // The associative step for the newest token; ws.query / ws.query_rope hold its raw
   // projected query. Never throws: prepare() has sized everything.
-  template <class S>
-  void attend_prepared(const LrkvCache<T, S>& cache, Workspace& ws, const detail::SplitPlan& plan,
-                       T* heads, int threads) const {
+  template <class Cache>
+  void attend_prepared(const Cache& cache, Workspace& ws, const detail::SplitPlan& plan, T* heads,
+                       int threads) const {
+    using S = typename Cache::storage_type;
     const Index H = config_.n_heads;
     const Index dh = config_.head_dim;
     const Index r = config_.rank;
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
     finish_query(position, ws.query.data(), ws.query_latent.data(), ws.query_rope.data());
-    const DecodeOps<S> ops{cache,
-                           ws.query.data(),
-                           ws.query_latent.data(),
-                           ws.query_rope.data(),
-                           H,
-                           dh,
-                           r,
-                           config_.decoupled_dim(),
-                           key_width(),
-                           dh + H * r,
-                           config_.key_norm};
+    const DecodeOps<Cache> ops{cache,
+                               ws.query.data(),
+                               ws.query_latent.data(),
+                               ws.query_rope.data(),
+                               H,
+                               dh,
+                               r,
+                               config_.decoupled_dim(),
+                               key_width(),
+                               dh + H * r,
+                               config_.key_norm};
     detail::split_attention(plan, ws.split, ops, ws.acc.data());
     if (detail::paired_rows<T, S>(dh)) {  // bf16 shared values were summed in pairs
       for (Index h = 0; h < H; ++h) detail::from_paired(ws.acc.row(h).data(), dh);

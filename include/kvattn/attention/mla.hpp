@@ -31,13 +31,16 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kvattn/attention/attention_layer.hpp"
+#include "kvattn/attention/decode_batch.hpp"
 #include "kvattn/cache/mla_cache.hpp"
+#include "kvattn/cache/paged_mla_cache.hpp"
 #include "kvattn/config/mla_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/random.hpp"
@@ -46,12 +49,23 @@
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/core/yarn.hpp"
+#include "kvattn/detail/batch_attention.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
+
+namespace detail {
+/// The caches an MlaLayer<T> reads and writes: MlaCache<T, S> and PagedMlaCache<T, S>.
+template <class Cache, class T>
+inline constexpr bool is_mla_cache = false;
+template <class T, class S>
+inline constexpr bool is_mla_cache<MlaCache<T, S>, T> = true;
+template <class T, class S>
+inline constexpr bool is_mla_cache<PagedMlaCache<T, S>, T> = true;
+}  // namespace detail
 
 /// How prefill computes attention (decode is always absorbed).
 enum class MlaPrefill {
@@ -160,6 +174,11 @@ class MlaLayer {
     RowMatrix<T> latent_heads;      // H x d_c        o-bar_h = sum_t a_h,t c_t
     RowVector<T> heads;             // 1 x H*d_v      o_h = o-bar_h W_UV_h, all heads
     detail::SplitScratch<T> split;  // partial softmax states per thread
+    // decode_batch: B rows of the same (absorbed and latent_heads: B*H rows), and the
+    // batch's units and states.
+    RowMatrix<T> batch_q_latent, batch_query, batch_latent, batch_rope_key, batch_absorbed,
+        batch_latent_heads, batch_heads;
+    detail::BatchScratch<T> batch;
   };
 
   /// Validates the config and the weights' shapes (config_error / shape_error).
@@ -208,9 +227,12 @@ class MlaLayer {
   /// that throws leaves the cache as it was.
   /// With threads, the large projections are split by output column and the
   /// attention by head.
-  template <class S>
-  RowMatrix<T> prefill(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache, Threads threads = {},
-                       MlaPrefill mode = MlaPrefill::automatic) const {
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T> RowMatrix<T> prefill(
+      const ConstMatrixRef<T>& x, Cache& cache, Threads threads = {},
+      MlaPrefill mode = MlaPrefill::automatic)
+  const {
+    using S = typename Cache::storage_type;
     constexpr const char* where = "MlaLayer::prefill";
     check_cache(cache, where);
     detail::check_shape(where, "x", x, -1, config_.d_model);
@@ -233,9 +255,9 @@ class MlaLayer {
       fresh.leftCols(config_.kv_rank) = latent.template cast<S>();
       fresh.rightCols(config_.rope_dim) = rope_keys.template cast<S>();
       if (prefill_mode(mode, past, length) == MlaPrefill::absorbed) {
-        attend_absorbed_prefill(query, cache, fresh, heads, thread_count);
+        attend_absorbed_prefill<Cache, S>(query, cache, fresh, heads, thread_count);
       } else {
-        attend_expanded_prefill(query, cache, fresh, heads, thread_count);
+        attend_expanded_prefill<Cache, S>(query, cache, fresh, heads, thread_count);
       }
     }
     RowMatrix<T> out(length, config_.d_model);
@@ -270,15 +292,17 @@ class MlaLayer {
   /// nothing when the cache has capacity and the workspace was made for at least this
   /// thread count. A call that throws leaves the cache as it was (capacity included).
   /// On an empty cache the token attends to itself only (as a one-token prefill).
-  template <class S>
-  void decode(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache, MatrixRef<T> out, Workspace& ws,
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T>
+  void decode(const ConstMatrixRef<T>& x, Cache& cache, MatrixRef<T> out, Workspace& ws,
               Threads threads = {}) const {
     constexpr const char* where = "MlaLayer::decode";
     check_cache(cache, where);
     detail::check_shape(where, "x", x, 1, config_.d_model);
     detail::check_shape(where, "out", out, 1, config_.d_model);
     const int thread_count = threads.resolved();
-    const auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    plan.segment = detail::cache_segment(cache);
     cache.grow_for(cache.tokens() + 1);
     // Everything that may throw is done; from here the step cannot fail.
     project_token(x, cache.tokens(), ws);
@@ -288,17 +312,19 @@ class MlaLayer {
   }
 
   /// decode with a workspace of its own (allocates one on every call).
-  template <class S>
-  void decode(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache, MatrixRef<T> out,
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T>
+  void decode(const ConstMatrixRef<T>& x, Cache& cache, MatrixRef<T> out,
               Threads threads = {}) const {
     Workspace ws = make_workspace(threads);
     decode(x, cache, out, ws, threads);
   }
 
   /// decode returning the 1 x d output (allocates it and a workspace on every call).
-  template <class S>
-  RowVector<T> decode(const ConstMatrixRef<T>& x, MlaCache<T, S>& cache,
-                      Threads threads = {}) const {
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T> RowVector<T> decode(const ConstMatrixRef<T>& x,
+                                                              Cache& cache, Threads threads = {})
+  const {
     RowVector<T> out(config_.d_model);
     decode(x, cache, out, threads);
     return out;
@@ -320,16 +346,18 @@ class MlaLayer {
   /// and o_h = o-bar_h W_UV_h at the end. With threads, the sequence is split across
   /// them and the partial softmax states merged exactly (flash-decoding); the
   /// absorptions are split by head.
-  template <class S>
-  void attend(const ConstMatrixRef<T>& query, const MlaCache<T, S>& cache, MatrixRef<T> heads,
-              Workspace& ws, Threads threads = {}) const {
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T>
+  void attend(const ConstMatrixRef<T>& query, const Cache& cache, MatrixRef<T> heads, Workspace& ws,
+              Threads threads = {}) const {
     constexpr const char* where = "MlaLayer::attend";
     check_cache(cache, where);
     detail::check_shape(where, "query", query, 1, query_width());
     detail::check_shape(where, "heads", heads, 1, heads_width());
     detail::require_tokens(where, cache.tokens());
     const int thread_count = threads.resolved();
-    const auto plan = prepare(ws, cache.tokens(), thread_count);
+    auto plan = prepare(ws, cache.tokens(), thread_count);
+    plan.segment = detail::cache_segment(cache);
     ws.query = query.row(0);
     const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
     rope_.rotate(ws.query.data() + config_.qk_nope_dim, position, config_.n_heads,
@@ -338,11 +366,107 @@ class MlaLayer {
   }
 
   /// attend with a workspace of its own (allocates one on every call).
-  template <class S>
-  void attend(const ConstMatrixRef<T>& query, const MlaCache<T, S>& cache, MatrixRef<T> heads,
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T>
+  void attend(const ConstMatrixRef<T>& query, const Cache& cache, MatrixRef<T> heads,
               Threads threads = {}) const {
     Workspace ws = make_workspace(threads);
     attend(query, cache, heads, ws, threads);
+  }
+
+  /// One new token for each of B sequences, as GqaLayer::decode_batch (docs/api.md): x
+  /// and out are B x d, caches B distinct caches of one type; row s of out is what
+  /// decode(x.row(s), *caches[s], ...) writes. The projections and each head's
+  /// absorptions through W_UK and W_UV run as products over the B rows (the weights read
+  /// once for the batch). With options.shared_prefix = P > 0 (paged caches holding tokens
+  /// [0, P) in the same pool pages), the prefix's latent rows are read once for all B x H
+  /// absorbed queries (cascade attention). A call that throws appends to no cache.
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T>
+  void decode_batch(const ConstMatrixRef<T>& x, std::span<Cache* const> caches, MatrixRef<T> out,
+                    Workspace& ws, Threads threads = {}, BatchOptions options = {}) const {
+    using S = typename Cache::storage_type;
+    constexpr const char* where = "MlaLayer::decode_batch";
+    const Index batch = static_cast<Index>(caches.size());
+    detail::check_shape(where, "x", x, batch, config_.d_model);
+    detail::check_shape(where, "out", out, batch, config_.d_model);
+    detail::check_batch_caches(where, caches);
+    for (const Cache* cache : caches) check_cache(*cache, where);
+    const int thread_count = threads.resolved();
+    const Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
+    if (batch == 0) return;
+    prepare_batch(ws, caches, prefix, thread_count);
+    grow_batch(caches);
+    // Everything that may throw is done; from here the step cannot fail.
+    const MlaConfig& c = config_;
+    const Index H = c.n_heads;
+    const Index dc = c.kv_rank;
+    const Index dn = c.qk_nope_dim;
+    const Index dr = c.rope_dim;
+    const Index qd = c.qk_head_dim();
+    const Index width = c.cache_elements_per_token();
+    if (c.q_rank > 0) {
+      detail::parallel_product(x, weights_.w_dq, ws.batch_q_latent, thread_count);
+      for (Index s = 0; s < batch && c.q_norm; ++s) {
+        rms_norm_inplace(ws.batch_q_latent.row(s).data(), c.q_rank, weights_.q_norm_gain.data(),
+                         c.norm_epsilon);
+      }
+      detail::parallel_product(ws.batch_q_latent, weights_.w_uq, ws.batch_query, thread_count);
+    } else {
+      detail::parallel_product(x, weights_.w_q, ws.batch_query, thread_count);
+    }
+    detail::parallel_product(x, weights_.w_dkv, ws.batch_latent, thread_count);
+    ws.batch_rope_key.noalias() = x * weights_.w_kr;
+    for (Index s = 0; s < batch; ++s) {
+      Cache& cache = *caches[static_cast<std::size_t>(s)];
+      if (c.kv_norm) {
+        rms_norm_inplace(ws.batch_latent.row(s).data(), dc, weights_.kv_norm_gain.data(),
+                         c.norm_epsilon);
+      }
+      const double position = static_cast<double>(c.rope.position_offset + cache.tokens());
+      rope_.rotate(ws.batch_query.row(s).data() + dn, position, H, qd);
+      rope_.rotate(ws.batch_rope_key.row(s).data(), position);
+      cache.append_token(ws.batch_latent.row(s), ws.batch_rope_key.row(s));
+    }
+    // Absorb W_UK per head for all B rows at once: row s*H + h of batch_absorbed.
+    detail::parallel_for(H, thread_count, [&](Index h) {
+      detail::RowsMap<T> absorbed(ws.batch_absorbed.data() + h * width, batch, width,
+                                  Eigen::OuterStride<>(H * width));
+      absorbed.leftCols(dc).noalias() = scale_ * ws.batch_query.middleCols(h * qd, dn) *
+                                        weights_.w_uk.middleCols(h * dn, dn).transpose();
+      absorbed.rightCols(dr) = scale_ * ws.batch_query.middleCols(h * qd + dn, dr);
+    });
+    // Sources 0 ... B-1: the sequences; source B: the shared prefix, every sequence's
+    // heads at once (read through the first cache).
+    detail::run_batch(ws.batch, [&](Index source) {
+      if (source == batch) {
+        return DecodeOps<Cache>{*caches[0], ws.batch_absorbed.data(), batch * H, dc, width};
+      }
+      return DecodeOps<Cache>{*caches[static_cast<std::size_t>(source)],
+                              ws.batch_absorbed.data() + source * H * width, H, dc, width};
+    });
+    detail::finish_batch(ws.batch, ws.batch_latent_heads.data());
+    if (detail::paired_rows<T, S>(dc)) {
+      for (Index r = 0; r < batch * H; ++r)
+        detail::from_paired(ws.batch_latent_heads.row(r).data(), dc);
+    }
+    // o_h = o-bar_h W_UV_h for all B rows of head h at once.
+    detail::parallel_for(H, thread_count, [&](Index h) {
+      const detail::ConstRowsMap<T> latent(ws.batch_latent_heads.data() + h * dc, batch, dc,
+                                           Eigen::OuterStride<>(H * dc));
+      ws.batch_heads.middleCols(h * c.v_dim, c.v_dim).noalias() =
+          latent * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
+    });
+    detail::parallel_product(ws.batch_heads, weights_.w_o, out, thread_count);
+  }
+
+  /// decode_batch with a workspace of its own (allocates one on every call).
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T>
+  void decode_batch(const ConstMatrixRef<T>& x, std::span<Cache* const> caches, MatrixRef<T> out,
+                    Threads threads = {}, BatchOptions options = {}) const {
+    Workspace ws = make_workspace(threads);
+    decode_batch(x, caches, out, ws, threads, options);
   }
 
   /// Tokens per tile of the decode pass: about 64 KiB of cached rows, so a tile read
@@ -353,8 +477,8 @@ class MlaLayer {
   }
 
  private:
-  template <class S>
-  void check_cache(const MlaCache<T, S>& cache, const char* where) const {
+  template <class Cache>
+  void check_cache(const Cache& cache, const char* where) const {
     detail::require_plain_span(config_, where);
     if (!(cache.config() == config_)) {
       throw config_error(std::string(where) + ": the cache was made for config " +
@@ -434,13 +558,47 @@ class MlaLayer {
     return plan;
   }
 
+  // Sizes the workspace and plans the units of a decode_batch step; may allocate and throw.
+  template <class Cache>
+  void prepare_batch(Workspace& ws, std::span<Cache* const> caches, Index prefix,
+                     int threads) const {
+    const MlaConfig& c = config_;
+    const Index batch = static_cast<Index>(caches.size());
+    detail::reshape(ws.batch_q_latent, batch, c.q_rank);
+    detail::reshape(ws.batch_query, batch, c.query_width());
+    detail::reshape(ws.batch_latent, batch, c.kv_rank);
+    detail::reshape(ws.batch_rope_key, batch, c.rope_dim);
+    detail::reshape(ws.batch_absorbed, batch * c.n_heads, c.cache_elements_per_token());
+    detail::reshape(ws.batch_latent_heads, batch * c.n_heads, c.kv_rank);
+    detail::reshape(ws.batch_heads, batch, heads_width());
+    auto& b = ws.batch;
+    b.tile = decode_tile();
+    b.segment = detail::cache_segment(*caches[0]);
+    b.width = c.kv_rank;
+    b.units.clear();
+    Index slot = 0;
+    detail::plan_batch_units(b.units, slot, caches, prefix, 1, c.n_heads, b.tile, threads);
+    b.fit(batch * c.n_heads, threads);
+  }
+
+  // Room for one more token in every cache (all or none, see detail::grow_all).
+  template <class Cache>
+  static void grow_batch(std::span<Cache* const> caches) {
+    detail::grow_all(
+        caches, [](Cache& cache) { cache.grow_for(cache.tokens() + 1); },
+        [](Cache& cache) {
+          if constexpr (requires { cache.page_tokens(); }) cache.rows_.truncate(cache.tokens());
+        });
+  }
+
   // All heads against a tile of cached rows [c_t | k_R,t] (one group: every head
   // shares the rows); the values are the rows' latent columns. The accumulate re-reads
   // the tile from L1/L2 (it was just scored), so the two phases together prefetch the
   // next tile, spread over both loops.
-  template <class S>
+  template <class Cache>
   struct DecodeOps {
-    const MlaCache<T, S>& cache;
+    using S = typename Cache::storage_type;
+    const Cache& cache;
     const T* absorbed;  // H x (d_c + d_R), scaled
     Index heads;
     Index kv_rank;
@@ -448,7 +606,9 @@ class MlaLayer {
 
     // The half of the next tile's bytes phase `half` (0: score, 1: accumulate) prefetches.
     detail::Prefetcher next_tile(Index first, Index n, int half) const {
-      const Index ahead = std::max<Index>(0, std::min(n, cache.tokens() - first - n));
+      // The next tile's rows up to the end of their page (of a paged cache).
+      const Index ahead = std::min(n, detail::contiguous_rows(cache, first + n));
+      if (ahead <= 0) return {};
       const Index bytes = ahead * width * Index{sizeof(S)};
       const Index split = bytes / 2 / 64 * 64;
       return half == 0 ? detail::Prefetcher(cache.row_data(first + n), split)
@@ -474,9 +634,10 @@ class MlaLayer {
 
   // The absorbed step for the newest token; ws.query holds its rotated query. Never
   // throws: prepare() has sized everything.
-  template <class S>
-  void attend_prepared(const MlaCache<T, S>& cache, Workspace& ws, const detail::SplitPlan& plan,
-                       T* heads, int threads) const {
+  template <class Cache>
+  void attend_prepared(const Cache& cache, Workspace& ws, const detail::SplitPlan& plan, T* heads,
+                       int threads) const {
+    using S = typename Cache::storage_type;
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
     const Index dn = c.qk_nope_dim;
@@ -489,7 +650,8 @@ class MlaLayer {
       ws.absorbed.row(h).tail(dr) = scale_ * ws.query.segment(h * qd + dn, dr);
     });
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
-    const DecodeOps<S> ops{cache, ws.absorbed.data(), c.n_heads, dc, c.cache_elements_per_token()};
+    const DecodeOps<Cache> ops{cache, ws.absorbed.data(), c.n_heads, dc,
+                               c.cache_elements_per_token()};
     detail::split_attention(plan, ws.split, ops, ws.latent_heads.data());
     if (detail::paired_rows<T, S>(dc)) {  // bf16 latents were summed in pairs
       for (Index h = 0; h < c.n_heads; ++h) detail::from_paired(ws.latent_heads.row(h).data(), dc);
@@ -558,8 +720,8 @@ class MlaLayer {
   // Expanded prefill ("reconstruct, then attend", seed 002 Chapter 2): per head,
   // K_h = [C W_UK_h | K_R] and V_h = C W_UV_h for every visible token, then tiled
   // causal attention. Compute-friendly: big matrix products, width d_nope + d_R.
-  template <class S>
-  void attend_expanded_prefill(const RowMatrix<T>& query, const MlaCache<T, S>& cache,
+  template <class Cache, class S>
+  void attend_expanded_prefill(const RowMatrix<T>& query, const Cache& cache,
                                const RowMatrix<S>& fresh, RowMatrix<T>& heads, int threads) const {
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
@@ -569,7 +731,10 @@ class MlaLayer {
     const Index past = cache.tokens();
     const Index length = query.rows();
     RowMatrix<T> rows(past + length, c.cache_elements_per_token());
-    rows.topRows(past) = cache.rows().template cast<T>();
+    for (Index t = 0; t < past; ++t) {
+      const S* row = cache.row_data(t);
+      for (Index j = 0; j < rows.cols(); ++j) rows(t, j) = static_cast<T>(row[j]);
+    }
     rows.bottomRows(length) = fresh.template cast<T>();
     const auto latent = rows.leftCols(dc);
     const RowMatrix<T> scaled = query * scale_;
@@ -597,8 +762,8 @@ class MlaLayer {
   // Absorbed prefill: per head, queries [q_h^nope W_UK_h^T | q_h^R] against the cached
   // rows, values the latents, then o_h = o-bar_h W_UV_h. Cheaper when few new tokens
   // attend to a long cache.
-  template <class S>
-  void attend_absorbed_prefill(const RowMatrix<T>& query, const MlaCache<T, S>& cache,
+  template <class Cache, class S>
+  void attend_absorbed_prefill(const RowMatrix<T>& query, const Cache& cache,
                                const RowMatrix<S>& fresh, RowMatrix<T>& heads, int threads) const {
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
@@ -608,8 +773,14 @@ class MlaLayer {
     const Index width = c.cache_elements_per_token();
     const Index past = cache.tokens();
     const Index length = query.rows();
-    const detail::RowSource<S> rows{cache.row_data(0), width, fresh.data(), width, past};
-    const detail::CausalShape shape{past, past, dc, std::is_same_v<S, T> ? 0 : width};
+    detail::RowSource<S> rows{nullptr, width, fresh.data(), width, past};
+    if constexpr (requires { cache.page_tokens(); }) {
+      rows.paged = &cache.rows_;
+    } else {
+      rows.cached = cache.row_data(0);
+    }
+    const detail::CausalShape shape{past, past, dc, std::is_same_v<S, T> ? 0 : width,
+                                    detail::cache_segment(cache)};
     struct PerThread {
       RowMatrix<T> absorbed, latent_out;
       detail::CausalScratch<T> scratch;

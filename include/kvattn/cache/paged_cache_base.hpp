@@ -2,6 +2,7 @@
 // block table, and every member of the KV-cache concept but append.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -60,6 +61,37 @@ class PagedCacheBase {
   }
   /// The first token past the page that holds token t: rows are contiguous up to it.
   Index segment_end(Index t) const { return (t / page_tokens() + 1) * page_tokens(); }
+
+  /// Whether tokens [0, n) are held as `other` holds them: one pool, the same pages for
+  /// every page wholly inside [0, n), and bitwise equal rows where [0, n) ends inside a
+  /// page (a fork that appended into a shared last page holds a private copy of it). So
+  /// forks of one sequence share the prefix they had when they were forked. False when
+  /// n exceeds either sequence's tokens.
+  bool shares_prefix(const PagedCacheBase& other, Index n) const {
+    if (n < 0 || n > tokens() || n > other.tokens()) return false;
+    if (rows_.pool_ptr() != other.rows_.pool_ptr()) return false;
+    const Index page = page_tokens();
+    const auto& mine = rows_.table();
+    const auto& theirs = other.rows_.table();
+    for (Index p = 0; p < n / page; ++p) {
+      if (mine[static_cast<std::size_t>(p)] != theirs[static_cast<std::size_t>(p)]) return false;
+    }
+    const Index whole = n / page * page;
+    if (whole == n ||
+        mine[static_cast<std::size_t>(n / page)] == theirs[static_cast<std::size_t>(n / page)]) {
+      return true;
+    }
+    const auto& blocks = rows_.layout().blocks;
+    for (std::size_t b = 0; b < blocks.size(); ++b) {
+      const std::size_t bytes = static_cast<std::size_t>(n - whole) *
+                                static_cast<std::size_t>(blocks[b].width) * blocks[b].element_bytes;
+      if (bytes == 0) continue;
+      const auto* a = rows_.template row<std::byte>(static_cast<Index>(b), whole);
+      const auto* c = other.rows_.template row<std::byte>(static_cast<Index>(b), whole);
+      if (!std::equal(a, a + bytes, c)) return false;
+    }
+    return true;
+  }
 
  protected:
   // Checks that `pool` holds pages of this cache's layout (`layout_name`, made by

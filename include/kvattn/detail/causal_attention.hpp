@@ -31,6 +31,8 @@ struct CausalShape {
   Index split = 0;         // key index no tile straddles (0: none)
   Index acc_width = 0;     // accumulator (value) width per query row
   Index buffer_width = 0;  // scratch scalars per key row of a tile (0: none)
+  Index segment = 0;       // key tiles before `split` never cross a multiple of it: the
+                           // pages of a paged cache (0: contiguous)
 };
 
 /// One thread's scratch; fit() allocates, the driver never does.
@@ -73,6 +75,8 @@ void causal_query_tile(const CausalShape& shape, CausalScratch<T>& scratch, cons
   while (k0 < key_end) {
     Index nk = std::min(tile, key_end - k0);
     if (k0 < shape.split) nk = std::min(nk, shape.split - k0);
+    if (k0 < shape.split && shape.segment > 0)
+      nk = std::min(nk, shape.segment - k0 % shape.segment);
     T* s = scratch.scores.data();
     ops.score(q0, nq, k0, nk, s, tile, buffer);
     for (Index r = 0; r < nq; ++r) {

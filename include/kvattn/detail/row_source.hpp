@@ -4,14 +4,18 @@
 // it was (the strong guarantee) without copying the cache.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 
+#include "kvattn/cache/paged_rows.hpp"
 #include "kvattn/core/types.hpp"
 
 namespace kvattn::detail {
 
 /// Rows 0 ... split-1 at `cached` (stride cached_stride), rows split ... at `fresh`
-/// (stride fresh_stride), all of storage type S.
+/// (stride fresh_stride), all of storage type S. With `paged` set, the cached rows are
+/// block `block` of a paged cache's pages instead (stride cached_stride within a page,
+/// contiguous for `segment` tokens): a tile of cached rows must then stay in one page.
 template <class S>
 struct RowSource {
   const S* cached = nullptr;
@@ -19,12 +23,37 @@ struct RowSource {
   const S* fresh = nullptr;
   Index fresh_stride = 0;
   Index split = 0;
+  const PagedRows* paged = nullptr;
+  Index block = 0;
 
   const S* row(Index t) const {
-    return t < split ? cached + t * cached_stride : fresh + (t - split) * fresh_stride;
+    if (t >= split) return fresh + (t - split) * fresh_stride;
+    return paged != nullptr ? paged->template row<S>(block, t) : cached + t * cached_stride;
   }
   Index stride(Index t) const { return t < split ? cached_stride : fresh_stride; }
+  /// Tokens per page of the cached rows (0: contiguous).
+  Index segment() const { return paged != nullptr ? paged->page_tokens() : 0; }
 };
+
+/// Tokens per page of a paged cache (0 for a contiguous one): decode and prefill tiles
+/// never cross a multiple of it.
+template <class Cache>
+Index cache_segment(const Cache& cache) {
+  if constexpr (requires { cache.page_tokens(); }) {
+    return cache.page_tokens();
+  } else {
+    return 0;
+  }
+}
+
+/// How many of the cached rows t, t+1, ... lie contiguously in memory (up to tokens()).
+template <class Cache>
+Index contiguous_rows(const Cache& cache, Index t) {
+  const Index segment = cache_segment(cache);
+  const Index end =
+      segment > 0 ? std::min(cache.tokens(), (t / segment + 1) * segment) : cache.tokens();
+  return std::max<Index>(0, end - t);
+}
 
 template <class T>
 using ConstRowsMap = Eigen::Map<const RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;

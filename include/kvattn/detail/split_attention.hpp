@@ -36,6 +36,8 @@ struct SplitPlan {
   Index buffer_width = 0;  // unused by the current kernels (kept for the ops' contract)
   Index splits = 1;        // sequence ranges per group
   int threads = 1;         // threads of the parallel region
+  Index segment = 0;       // rows are contiguous within aligned runs of this many tokens
+                           // (a paged cache's page_tokens; 0: the whole cache)
   // What the scratch is sized for: the most splits and threads this thread count can
   // ever use, whatever the length, so a growing sequence never reallocates.
   Index max_splits = 1;
@@ -143,14 +145,39 @@ inline void softmax_tile_row(T* s, Index n_pad, T& max, T& sum, T* acc, Index wi
   if (std::isnan(sum) && max == neg_inf) max = T(0);
 }
 
+/// The partial softmax state (max, sum: `rows` each; acc: rows x width, row-major) of
+/// one group's query rows over tokens [first, last), tile by tile: `ops.score`, the tile
+/// softmax, `ops.accumulate`. Tiles never cross a multiple of `segment` (0: no limit),
+/// so a tile's rows are contiguous in a paged cache. `logits` holds rows x ld scalars.
+template <class T, class Ops>
+void attend_range(const Ops& ops, Index group, Index first, Index last, Index tile, Index segment,
+                  Index rows, Index width, T* logits, Index ld, T* max, T* sum, T* acc) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  constexpr Index P = packet_size<T>;
+  Eigen::Map<RowVector<T>>(max, rows).setConstant(neg_inf);
+  Eigen::Map<RowVector<T>>(sum, rows).setZero();
+  Eigen::Map<RowMatrix<T>>(acc, rows, width).setZero();
+  for (Index t0 = first; t0 < last;) {
+    Index n = std::min(tile, last - t0);
+    if (segment > 0) n = std::min(n, segment - t0 % segment);
+    const Index n_pad = (n + P - 1) / P * P;
+    ops.score(group, t0, n, logits, ld);
+    for (Index i = 0; i < rows; ++i) {
+      T* s = logits + i * ld;
+      std::fill(s + n, s + n_pad, neg_inf);
+      softmax_tile_row(s, n_pad, max[i], sum[i], acc + i * width, width);
+    }
+    ops.accumulate(group, t0, n, logits, ld, acc);
+    t0 += n;
+  }
+}
+
 /// Runs the plan and writes each group's normalized attention (groups*rows x
 /// acc_width, row stride acc_width) to `out`. scratch.fit(plan) must have run.
 template <class T, class Ops>
 void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops& ops, T* out) {
   using RowMap = Eigen::Map<RowVector<T>>;
-  using AccMap = Eigen::Map<RowMatrix<T>>;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-  constexpr Index P = packet_size<T>;
   const Index rows = plan.rows;
   const Index width = plan.acc_width;
   const Index splits = plan.splits;
@@ -162,23 +189,9 @@ void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops&
     const Index first = std::min(plan.length, (unit % splits) * per_split);
     const Index last = std::min(plan.length, first + per_split);
     T* logits = scratch.scores.data() + thread * rows * ld;
-    T* max = scratch.max.data() + unit * rows;
-    T* sum = scratch.sum.data() + unit * rows;
-    T* acc = scratch.acc.data() + unit * rows * width;
-    RowMap(max, rows).setConstant(neg_inf);
-    RowMap(sum, rows).setZero();
-    AccMap(acc, rows, width).setZero();
-    for (Index t0 = first; t0 < last; t0 += plan.tile) {
-      const Index n = std::min(plan.tile, last - t0);
-      const Index n_pad = (n + P - 1) / P * P;
-      ops.score(group, t0, n, logits, ld);
-      for (Index i = 0; i < rows; ++i) {
-        T* s = logits + i * ld;
-        std::fill(s + n, s + n_pad, neg_inf);
-        softmax_tile_row(s, n_pad, max[i], sum[i], acc + i * width, width);
-      }
-      ops.accumulate(group, t0, n, logits, ld, acc);
-    }
+    attend_range(ops, group, first, last, plan.tile, plan.segment, rows, width, logits, ld,
+                 scratch.max.data() + unit * rows, scratch.sum.data() + unit * rows,
+                 scratch.acc.data() + unit * rows * width);
   };
 
 #ifdef _OPENMP
