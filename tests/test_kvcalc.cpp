@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -19,11 +20,18 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <random>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "kvattn/attention/gqa.hpp"
+#include "kvattn/attention/lrkv.hpp"
+#include "kvattn/attention/mla.hpp"
+#include "kvattn/core/random.hpp"
 
 namespace {
 
@@ -792,4 +800,84 @@ TEST_CASE("kvcalc --bandwidth / --flops: a decode step per token at the roofline
   check_bad({"--bandwidth", "0"}, "--bandwidth");
   check_bad({"--bandwidth", "fast"}, "--bandwidth");
   check_bad({"--flops", "100"}, "--flops needs --bandwidth");
+}
+
+TEST_CASE("kvcalc --page-size: the bytes of real paged caches filled by prefill",
+          "[kvcalc][analysis][paged]") {
+  // One layer, 3 sequences of L tokens each in its own paged cache of one pool, bf16:
+  // kvcalc's total must be the pool's bytes in use once every sequence is prefilled.
+  using Bf16 = Eigen::bfloat16;
+  constexpr kvattn::Index kBatch = 3;
+  const kvattn::Index heads = 4, head_dim = 16, d_model = 64;
+  auto fill = [&](const auto& layer, auto make_cache, kvattn::Index L, std::uint64_t seed) {
+    std::vector<decltype(make_cache())> caches;
+    for (kvattn::Index s = 0; s < kBatch; ++s) {
+      caches.push_back(make_cache());
+      std::mt19937_64 rng(seed + static_cast<std::uint64_t>(s));
+      layer.prefill(kvattn::random_normal<float>(L, d_model, rng), caches.back());
+    }
+    return caches;
+  };
+  for (const kvattn::Index L : {100, 128}) {
+    for (const kvattn::Index page : {16, 64}) {
+      CAPTURE(L, page);
+      const json j = run_json({"--heads",     "4",
+                               "--head-dim",  "16",
+                               "--d-model",   "64",
+                               "--layers",    "1",
+                               "--kv-heads",  "2",
+                               "--kv-rank",   "24",
+                               "--rope-dim",  "8",
+                               "--v-dim",     "16",
+                               "--lrkv-rank", "4",
+                               "--dtype",     "bf16",
+                               "--seq-len",   std::to_string(L),
+                               "--batch",     std::to_string(kBatch),
+                               "--page-size", std::to_string(page)});
+      for (const auto& [name, kv_heads] :
+           {std::pair<const char*, kvattn::Index>{"MHA", 4}, {"GQA", 2}, {"MQA", 1}}) {
+        CAPTURE(name);
+        kvattn::GqaConfig c = kvattn::gqa_config(d_model, heads, head_dim, kv_heads);
+        const auto layer = kvattn::GqaLayer<float>::random(c, 1);
+        auto pool = kvattn::make_gqa_page_pool<Bf16>(c, page, 64);
+        const auto caches = fill(
+            layer, [&] { return kvattn::PagedGqaCache<float, Bf16>(c, pool); }, L, 10);
+        CHECK(row(j, name).at("total_bytes").get<std::size_t>() == pool->bytes_in_use());
+      }
+      {
+        kvattn::MlaConfig c;
+        c.d_model = d_model;
+        c.n_heads = heads;
+        c.kv_rank = 24;
+        c.qk_nope_dim = head_dim;
+        c.rope_dim = 8;
+        c.v_dim = 16;
+        c.kv_norm = true;
+        c.rope.layout = kvattn::RopeLayout::half_split;
+        const auto layer = kvattn::MlaLayer<float>::random(c, 2);
+        auto pool = kvattn::make_mla_page_pool<Bf16>(c, page, 64);
+        const auto caches = fill(
+            layer, [&] { return kvattn::PagedMlaCache<float, Bf16>(c, pool); }, L, 20);
+        CHECK(row(j, "MLA").at("total_bytes").get<std::size_t>() == pool->bytes_in_use());
+      }
+      {
+        kvattn::LrkvConfig c;
+        c.d_model = d_model;
+        c.n_heads = heads;
+        c.head_dim = head_dim;
+        c.rank = 4;
+        const auto layer = kvattn::LrkvLayer<float>::random(c, 3);
+        auto pool = kvattn::make_lrkv_page_pool<Bf16>(c, page, 64);
+        const auto caches = fill(
+            layer, [&] { return kvattn::PagedLrkvCache<float, Bf16>(c, pool); }, L, 30);
+        CHECK(row(j, "LRKV").at("total_bytes").get<std::size_t>() == pool->bytes_in_use());
+      }
+    }
+  }
+  // By hand, GQA (2 KV heads of 16, K and V, bf16: 128 bytes a token), L 100, pages of
+  // 64: 2 pages of 64 tokens a sequence, 3 sequences: 3 x 128 x 128 bytes.
+  const json j = run_json({"--heads", "4", "--head-dim", "16", "--layers", "1", "--kv-heads", "2",
+                           "--dtype", "bf16", "--seq-len", "100", "--batch", "3", "--page-size",
+                           "64", "--mechanism", "GQA"});
+  CHECK(row(j, "GQA").at("total_bytes") == 3 * 128 * 128);
 }
