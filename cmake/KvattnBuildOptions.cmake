@@ -7,6 +7,7 @@
 #                     libFuzzer coverage + ASan + UBSan (KVATTN_FUZZ)
 #   kvattn_avx512     -march=x86-64-v4, for the tests of the AVX-512 kernels (x86-64
 #                     GCC/Clang that accept the flag; defined only then)
+#   kvattn_avx2       -mavx2 -mfma, for the tests of the AVX2 kernels (likewise)
 #
 # kvattn_project_target(<target>) links both into a target.
 include_guard(GLOBAL)
@@ -95,6 +96,12 @@ if(NOT MSVC AND CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   if(KVATTN_HAVE_MARCH_X86_64_V4)
     add_library(kvattn_avx512 INTERFACE)
     target_compile_options(kvattn_avx512 INTERFACE -march=x86-64-v4 ${_kvattn_avx512_quiet})
+  endif()
+  check_cxx_compiler_flag(-mavx2 KVATTN_HAVE_MAVX2)
+  check_cxx_compiler_flag(-mfma KVATTN_HAVE_MFMA)
+  if(KVATTN_HAVE_MAVX2 AND KVATTN_HAVE_MFMA)
+    add_library(kvattn_avx2 INTERFACE)
+    target_compile_options(kvattn_avx2 INTERFACE -mavx2 -mfma)
   endif()
   if(_kvattn_avx512_quiet)
     # try_compile adds CMAKE_CXX_FLAGS itself; the build type's flags and -march=native

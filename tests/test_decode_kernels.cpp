@@ -4,9 +4,9 @@
 // length, several register blocks), with shared and per-row (segmented) columns, fp32
 // and bf16 storage; and the driver's NaN / +inf / -inf rules.
 //
-// The same file is built twice when the compiler can target AVX-512
-// (test_decode_kernels_avx512, -march=x86-64-v4): that binary exits as skipped on a CPU
-// without AVX-512 (tests/cpu_guard_avx512.cpp).
+// The same file is built once more per instruction-set level (test_decode_kernels_avx2
+// with -mavx2 -mfma, test_decode_kernels_avx512 with -march=x86-64-v4): such a binary
+// exits as skipped on a CPU without its level (tests/cpu_guard.cpp).
 #include <catch2/catch.hpp>
 
 #include <cmath>
