@@ -54,6 +54,7 @@ void register_gqa();
 void register_mla();
 void register_lrkv();
 void register_prefill();
+void register_serving();
 
 // ---- Limits: read-only pass and dense GEMM -------------------------------------------
 

@@ -52,6 +52,23 @@
 //       axpy pass over V_h, reading each element once; heads over threads). L as decode.
 //   prefill/<mech>/L:<L>/T:<T>          layer.prefill(x, cache, Threads{T}) of L tokens
 //       on a cleared cache, L in {512, 2048, 8192}; mha, gqa, mqa, mla, lrkv.
+//   decode_paged/<mech>/L:65536/T:<T>   layer.attend over a paged cache (pages of 256
+//       tokens, one pool) of L tokens; after each timed step, untimed, the same attend
+//       over a contiguous cache holding the same rows. mha, gqa, mqa, mla, lrkv. Counter
+//       vs_contiguous.
+//   decode_batch/<mech>/B:<B>/T:<T>     layer.decode_batch(x, caches, out, workspace,
+//       Threads{T}) over B contiguous caches of ragged lengths, spread evenly from 1,024
+//       to 2 x 65,536 / B - 1,024 tokens (65,536 tokens in all; B = 1: one of 65,536),
+//       each truncated back after the step; B in {1, 4, 16, 64}. After each timed step,
+//       untimed, B layer.decode calls on the same caches. Counter vs_separate.
+//   decode_shared/<mech>/B:16/T:<T>     16 paged sequences forked from one 8,192-token
+//       prompt, each with 512 tokens of its own: decode_batch with
+//       BatchOptions{.shared_prefix = 8192} (the prompt's pages read once for all 16).
+//       Untimed after each step: decode_batch without the shared prefix, and 16 decode
+//       calls. Counters vs_separate, vs_unshared, roofline_ratio.
+//   (Smoke mode: pages of 16 tokens; decode_batch at B = 3 with 16 ... 64 tokens;
+//   decode_shared with a 32-token prompt and 16 tokens each; each compared with the
+//   separate decode calls, or decode_paged with the contiguous cache.)
 //
 // COUNTERS (every benchmark above; "step" = one timed iteration)
 //   bytes             bytes the step must read: the cache (cache_bytes) plus the
@@ -108,6 +125,18 @@
 //                     naive per-head form re-reads it for every head of the group, so
 //                     once it exceeds the last-level cache the factored step must win
 //                     by the group size (the report's 1.5x target).
+//   vs_contiguous     (decode_paged) the contiguous cache's time per step / the paged
+//                     cache's; >= 0.95 is the goal (paging costs at most 5%).
+//   vs_separate       (decode_batch, decode_shared) the time of one decode call per
+//                     sequence (the same threads and caches) / the batch step's; > 1 =
+//                     the batch is faster.
+//   vs_unshared       (decode_shared) decode_batch without the shared prefix / with it.
+//   roofline_ratio    (decode_shared) the separate calls' roofline time over the shared
+//                     step's: max(bytes / bw_ref, flops / flop_ref) of each, the separate
+//                     calls reading every sequence's cache and every weight B times: the
+//                     most reading the prefix once can gain.
+//   (serving rows: bytes = the caches' bytes, each shared page once, + the weights the
+//   step reads, once; flops = the sum of the sequences' layer_decode formulas.)
 //
 // CONTEXT
 //   simd_level        kvattn::simd_level(): the instruction set kvattn's kernels were
@@ -163,6 +192,7 @@ int main(int argc, char** argv) {
   kvb::register_mla();
   kvb::register_lrkv();
   kvb::register_prefill();
+  kvb::register_serving();
   kvb::calibrate_gemm();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

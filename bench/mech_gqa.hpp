@@ -1,6 +1,7 @@
 // The GQA family (MHA, GQA, MQA) as a benchmark mechanism (see bench_drivers.hpp).
 #pragma once
 
+#include <memory>
 #include <random>
 #include <string>
 
@@ -17,6 +18,8 @@ struct GqaMech {
   using Layer = kvattn::GqaLayer<float>;
   template <class S>
   using Cache = kvattn::GqaCache<float, S>;
+  template <class S>
+  using PagedCache = kvattn::PagedGqaCache<float, S>;
   struct Pool {
     Mat keys, values;  // rows x n_kv*d_h
   };
@@ -32,6 +35,10 @@ struct GqaMech {
     return 2.0 * static_cast<double>(L) * dh() * static_cast<double>(storage);
   }
   Layer make_layer() const { return Layer::random(config, 1); }
+  template <class S>
+  std::shared_ptr<kvattn::PagePool> make_page_pool(Index page_tokens, Index pages) const {
+    return kvattn::make_gqa_page_pool<S>(config, page_tokens, pages);
+  }
   Index d_model() const { return config.d_model; }
   Index query_width() const { return config.n_heads * config.head_dim; }
   Index heads_width() const { return config.n_heads * config.head_dim; }
@@ -45,8 +52,9 @@ struct GqaMech {
     return {kvattn::random_normal<float>(rows, width, rng),
             kvattn::random_normal<float>(rows, width, rng)};
   }
-  template <class S>
-  void fill(Cache<S>& cache, Index L, const Pool& pool) const {
+  /// Appends the pool's rows cyclically until `cache` (contiguous or paged) holds L tokens.
+  template <class C>
+  void fill(C& cache, Index L, const Pool& pool) const {
     while (cache.tokens() < L) {
       const Index n = std::min(pool.keys.rows(), L - cache.tokens());
       cache.append(pool.keys.topRows(n), pool.values.topRows(n));

@@ -1,6 +1,7 @@
 // LRKV (factored decode) as a benchmark mechanism (see bench_drivers.hpp).
 #pragma once
 
+#include <memory>
 #include <random>
 #include <string>
 
@@ -17,6 +18,8 @@ struct LrkvMech {
   using Layer = kvattn::LrkvLayer<float>;
   template <class S>
   using Cache = kvattn::LrkvCache<float, S>;
+  template <class S>
+  using PagedCache = kvattn::PagedLrkvCache<float, S>;
   struct Pool {
     Mat shared_keys, shared_values;      // rows x d_h
     Mat residual_keys, residual_values;  // rows x H*r
@@ -36,6 +39,10 @@ struct LrkvMech {
     return static_cast<double>(L) * 2.0 * (dh() + H() * r()) * static_cast<double>(storage);
   }
   Layer make_layer() const { return Layer::random(config, 1); }
+  template <class S>
+  std::shared_ptr<kvattn::PagePool> make_page_pool(Index page_tokens, Index pages) const {
+    return kvattn::make_lrkv_page_pool<S>(config, page_tokens, pages);
+  }
   Index d_model() const { return config.d_model; }
   Index query_width() const { return config.n_heads * (config.head_dim + config.decoupled_dim()); }
   Index heads_width() const { return config.n_heads * config.head_dim; }
@@ -59,8 +66,9 @@ struct LrkvMech {
         (kvattn::random_normal<float>(rows, norms, rng, 0.1).array().abs() + 1.0f).matrix();
     return pool;
   }
-  template <class S>
-  void fill(Cache<S>& cache, Index L, const Pool& pool) const {
+  /// Appends the pool's rows cyclically until `cache` (contiguous or paged) holds L tokens.
+  template <class C>
+  void fill(C& cache, Index L, const Pool& pool) const {
     while (cache.tokens() < L) {
       const Index n = std::min(pool.shared_keys.rows(), L - cache.tokens());
       cache.append({pool.shared_keys.topRows(n), pool.shared_values.topRows(n),

@@ -1,6 +1,7 @@
 // MLA (absorbed decode) as a benchmark mechanism (see bench_drivers.hpp).
 #pragma once
 
+#include <memory>
 #include <random>
 #include <string>
 
@@ -17,6 +18,8 @@ struct MlaMech {
   using Layer = kvattn::MlaLayer<float>;
   template <class S>
   using Cache = kvattn::MlaCache<float, S>;
+  template <class S>
+  using PagedCache = kvattn::PagedMlaCache<float, S>;
   struct Pool {
     Mat latent;     // rows x d_c
     Mat rope_keys;  // rows x d_R
@@ -33,6 +36,10 @@ struct MlaMech {
     return static_cast<double>(L) * (dc() + dr()) * static_cast<double>(storage);
   }
   Layer make_layer() const { return Layer::random(config, 1); }
+  template <class S>
+  std::shared_ptr<kvattn::PagePool> make_page_pool(Index page_tokens, Index pages) const {
+    return kvattn::make_mla_page_pool<S>(config, page_tokens, pages);
+  }
   Index d_model() const { return config.d_model; }
   Index query_width() const { return config.query_width(); }
   Index heads_width() const { return config.n_heads * config.v_dim; }
@@ -47,8 +54,9 @@ struct MlaMech {
     return {kvattn::random_normal<float>(rows, config.kv_rank, rng),
             kvattn::random_normal<float>(rows, config.rope_dim, rng)};
   }
-  template <class S>
-  void fill(Cache<S>& cache, Index L, const Pool& pool) const {
+  /// Appends the pool's rows cyclically until `cache` (contiguous or paged) holds L tokens.
+  template <class C>
+  void fill(C& cache, Index L, const Pool& pool) const {
     while (cache.tokens() < L) {
       const Index n = std::min(pool.latent.rows(), L - cache.tokens());
       cache.append(pool.latent.topRows(n), pool.rope_keys.topRows(n));

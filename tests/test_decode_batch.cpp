@@ -263,6 +263,9 @@ void shared_prefixes(const Layer& layer) {
       shared_prefix_equals_full<Layer, Bf16>(layer, page, 1000, threads);
     }
   }
+  // A prefix longer than four decode tiles of every layer here (GQA 1024 tokens, MLA 256,
+  // LRKV 16): with 2 threads its range is cut into pieces (plan_batch_units).
+  shared_prefix_equals_full<Layer, T>(layer, 50, 4200, 2);
 }
 
 // Refused batches change no cache.

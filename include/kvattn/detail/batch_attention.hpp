@@ -95,8 +95,11 @@ struct BatchScratch {
 /// final rows (s * groups + g) * rows + j. With one (prefix > 0), a source-B unit per
 /// group (and range) covers [0, prefix) for all B sequences' rows of the group stacked,
 /// and each sequence's own units cover [prefix, L_s). A range is split only when the
-/// units would not keep `threads` threads busy, into pieces of at least four tiles.
-/// Allocates only when the unit list outgrows its capacity.
+/// units would not keep `threads` threads busy, into pieces of at least four tiles; a
+/// prefix range, which carries every sequence's query rows (B times a sequence unit's
+/// arithmetic per token), is also cut into at least 2 x threads pieces of at least four
+/// tiles, so that with one group (MQA, MLA) it is not one thread's work while the others
+/// wait. Allocates only when the unit list outgrows its capacity.
 template <class Cache>
 void plan_batch_units(std::vector<BatchUnit>& units, Index& slot, std::span<Cache* const> caches,
                       Index prefix, Index groups, Index rows, Index tile, int threads) {
@@ -110,10 +113,17 @@ void plan_batch_units(std::vector<BatchUnit>& units, Index& slot, std::span<Cach
     const Index per_unit = static_cast<Index>(total / (4.0 * threads));
     chunk = std::max<Index>(4 * tile, (per_unit / tile + 1) * tile);
   }
+  Index prefix_chunk = chunk;
+  if (threads > 1 && prefix > 0) {
+    const Index pieces = 2 * Index{threads};
+    const Index piece = (prefix + pieces - 1) / pieces;
+    prefix_chunk = std::min(chunk, std::max<Index>(4 * tile, (piece + tile - 1) / tile * tile));
+  }
   auto add = [&](Index source, Index g, Index first, Index end, Index unit_rows, Index target,
                  Index block, Index block_stride) {
+    const Index chunk_of_source = source == batch ? prefix_chunk : chunk;
     do {
-      const Index last = end - first > chunk ? first + chunk : end;
+      const Index last = end - first > chunk_of_source ? first + chunk_of_source : end;
       units.push_back(
           BatchUnit{source, g, first, last, unit_rows, slot, target, block, block_stride});
       slot += unit_rows;

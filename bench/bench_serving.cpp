@@ -1,0 +1,353 @@
+// Serving benchmarks (docs/serving.md): decode over a paged cache against the same rows
+// in a contiguous cache (decode_paged/), batched ragged decode against one decode call
+// per sequence (decode_batch/), and 16 sequences sharing a prompt prefix decoded with the
+// prefix read once (decode_shared/). bench/main.cpp documents the names and counters.
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "bench_drivers.hpp"
+#include "mech_gqa.hpp"
+#include "mech_lrkv.hpp"
+#include "mech_mla.hpp"
+
+namespace kvb {
+namespace {
+
+/// Tokens per page of the serving benchmarks: the decode tile of the GQA family at
+/// d_h = 128 (smoke mode: 16, so that a 64-token cache spans pages).
+Index page_tokens() { return smoke() ? 16 : 256; }
+
+/// Every page a set of paged caches holds, each page once (forks share pages).
+template <class C>
+void add_pages(ReadSet& set, const std::vector<const C*>& caches) {
+  std::set<Index> seen;
+  for (const C* cache : caches) {
+    for (const Index page : cache->block_table()) {
+      if (seen.insert(page).second) set.add(cache->pool().data(page), cache->pool().page_bytes());
+    }
+  }
+}
+
+/// Pages for `tokens` tokens in all, held by `sequences` caches (each may hold one page
+/// it only partly fills, and one more while a step's token is appended).
+Index pages_for(Index tokens, Index sequences) {
+  return tokens / page_tokens() + 2 * sequences + 1;
+}
+
+/// The ragged lengths of decode_batch/<mech>/B:<B>: spread evenly from 1,024 tokens to
+/// 2 x 65,536 / B - 1,024, so that every B holds 65,536 tokens in all (B = 1: 65,536;
+/// B = 4: 1,024 ... 31,744). Smoke mode: 16 ... 64.
+std::vector<Index> ragged_lengths(Index batch) {
+  if (smoke()) {
+    std::vector<Index> lengths;
+    for (Index s = 0; s < batch; ++s)
+      lengths.push_back(16 + 48 * s / std::max<Index>(1, batch - 1));
+    return lengths;
+  }
+  const Index total = 65536, shortest = 1024;
+  if (batch == 1) return {total};
+  const Index longest = 2 * total / batch - shortest;
+  std::vector<Index> lengths;
+  for (Index s = 0; s < batch; ++s)
+    lengths.push_back(shortest + (longest - shortest) * s / (batch - 1));
+  return lengths;
+}
+
+/// decode_paged/<mech>/L:<L>/T:<T>: layer.attend over a paged cache (pages of
+/// page_tokens()) of L tokens; after each timed step, untimed, the same attend over a
+/// contiguous cache with the same rows, then a read pass over the paged cache's pages
+/// (each step finds the other cache's data, >= 64 MiB, in between). vs_contiguous:
+/// contiguous time per step / paged time per step (>= 0.95: paging costs at most 5%).
+template <class M>
+void run_decode_paged(benchmark::State& state, const M& mech) {
+  const Index L = state.range(0);
+  const int T = static_cast<int>(state.range(1));
+  const kvattn::Threads threads{T};
+  const auto layer = layer_of(mech);
+  std::mt19937_64 rng(7);
+  const auto rows = mech.make_pool(rng, std::min(L, kPoolRows));
+  auto contiguous = layer->template make_cache<float>(L);
+  mech.fill(contiguous, L, rows);
+  const auto pool = mech.template make_page_pool<float>(page_tokens(), pages_for(L, 1));
+  typename M::template PagedCache<float> paged(mech.config, pool);
+  mech.fill(paged, L, rows);
+  ReadSet reads;
+  add_pages(reads, std::vector<const decltype(paged)*>{&paged});
+  mech.add_attend_weights(reads, *layer);
+  auto workspace = layer->make_workspace(threads);
+  const Row query = kvattn::random_normal<float>(1, mech.query_width(), rng);
+  Row heads(mech.heads_width()), want(mech.heads_width());
+
+  layer->attend(query, paged, heads, workspace, threads);  // untimed: page faults, threads
+  layer->attend(query, contiguous, want, workspace, threads);
+  if (smoke()) {
+    const double err = relative_error(heads, want);
+    if (!(err <= kCheckTolerance)) {
+      fail(state, mech.name + ": attend over the paged cache differs from the contiguous one by " +
+                      std::to_string(err));
+      return;
+    }
+  }
+  Limits limits;
+  Index it = 0;
+  double contiguous_seconds = 0, paged_seconds = 0;
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    layer->attend(query, paged, heads, workspace, threads);
+    benchmark::DoNotOptimize(heads.data());
+    benchmark::ClobberMemory();
+    paged_seconds += seconds_since(start);
+    state.PauseTiming();
+    const auto other = Clock::now();
+    layer->attend(query, contiguous, want, workspace, threads);
+    benchmark::DoNotOptimize(want.data());
+    contiguous_seconds += seconds_since(other);
+    limits.read(reads, T);
+    state.ResumeTiming();
+    ++it;
+  }
+  Cost cost;
+  cost.bytes = reads.bytes();
+  cost.cache_bytes = static_cast<double>(paged.bytes());
+  cost.flops = mech.attend_flops(L);
+  report(state, cost, limits, T);
+  if (it > 0)
+    state.counters["vs_contiguous"] = benchmark::Counter(contiguous_seconds / paged_seconds);
+}
+
+/// decode_batch/<mech>/B:<B>/T:<T>: one layer.decode_batch over B contiguous caches of
+/// ragged_lengths(B) tokens (projections, appends, attention, W_O), then each cache
+/// truncated back; after each timed step, untimed, B layer.decode calls (one per
+/// sequence, the same threads, truncated back), then a read pass over every cache and
+/// weight. vs_separate: the B decode calls' time / decode_batch's time.
+template <class M>
+void run_decode_batch(benchmark::State& state, const M& mech) {
+  const Index B = state.range(0);
+  const int T = static_cast<int>(state.range(1));
+  const kvattn::Threads threads{T};
+  const auto layer = layer_of(mech);
+  const std::vector<Index> lengths = ragged_lengths(B);
+  std::mt19937_64 rng(7);
+  const auto rows = mech.make_pool(rng, std::min(lengths.back(), kPoolRows));
+  using Cache = typename M::template Cache<float>;
+  std::vector<Cache> caches;
+  caches.reserve(static_cast<std::size_t>(B));
+  std::vector<Cache*> pointers;
+  ReadSet reads;
+  Cost cost;
+  for (const Index L : lengths) {
+    caches.push_back(layer->template make_cache<float>(L + 1));
+    mech.fill(caches.back(), L, rows);
+    pointers.push_back(&caches.back());
+    if (!add_cache_checked(state, mech, reads, caches.back())) return;
+    cost.flops += mech.layer_flops(L);
+  }
+  cost.cache_bytes = reads.bytes();
+  mech.add_layer_weights(reads, *layer);
+  cost.bytes = reads.bytes();
+  const Mat x = kvattn::random_normal<float>(B, mech.d_model(), rng);
+  Mat out(B, mech.d_model()), single(B, mech.d_model());
+  auto workspace = layer->make_workspace(threads);
+  const std::span<Cache* const> batch(pointers);
+
+  auto run_batch = [&] {
+    layer->decode_batch(x, batch, out, workspace, threads);
+    for (Index s = 0; s < B; ++s) caches[static_cast<std::size_t>(s)].truncate(lengths[s]);
+  };
+  auto run_separate = [&] {
+    for (Index s = 0; s < B; ++s) {
+      auto& cache = caches[static_cast<std::size_t>(s)];
+      layer->decode(x.row(s), cache, single.row(s), workspace, threads);
+      cache.truncate(lengths[s]);
+    }
+  };
+  run_batch();  // untimed: page faults, the thread team, the workspace's batch buffers
+  run_separate();
+  if (smoke()) {
+    const double err = relative_error(out, single);
+    if (!(err <= kCheckTolerance)) {
+      fail(state,
+           mech.name + ": decode_batch differs from B decode calls by " + std::to_string(err));
+      return;
+    }
+  }
+  Limits limits;
+  Index it = 0;
+  double batch_seconds = 0, separate_seconds = 0;
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    run_batch();
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+    batch_seconds += seconds_since(start);
+    state.PauseTiming();
+    const auto other = Clock::now();
+    run_separate();
+    benchmark::DoNotOptimize(single.data());
+    separate_seconds += seconds_since(other);
+    limits.read(reads, T);
+    state.ResumeTiming();
+    ++it;
+  }
+  report(state, cost, limits, T);
+  if (it > 0) state.counters["vs_separate"] = benchmark::Counter(separate_seconds / batch_seconds);
+}
+
+/// decode_shared/<mech>/B:16/T:<T>: 16 paged sequences forked from one 8,192-token
+/// prompt, each holding 512 tokens of its own (smoke mode: 32 + 16 tokens).
+/// Timed: decode_batch with shared_prefix = the prompt (read once for all 16). Untimed,
+/// after each step: decode_batch without the shared prefix (unshared), and 16 decode
+/// calls (separate); then a read pass over every page and weight. Counters: vs_separate
+/// and vs_unshared (their times / the shared step's); roofline_ratio, the separate
+/// calls' roofline time over the shared step's (max(bytes / bw_ref, flops / flop_ref)
+/// of each: what reading the prefix once can gain at most).
+template <class M>
+void run_decode_shared(benchmark::State& state, const M& mech) {
+  const Index B = state.range(0);
+  const int T = static_cast<int>(state.range(1));
+  const Index prefix = smoke() ? 32 : 8192, own = smoke() ? 16 : 512;
+  const kvattn::Threads threads{T};
+  const auto layer = layer_of(mech);
+  std::mt19937_64 rng(7);
+  const auto rows = mech.make_pool(rng, kPoolRows);
+  using Paged = typename M::template PagedCache<float>;
+  const auto pool =
+      mech.template make_page_pool<float>(page_tokens(), pages_for(prefix + B * own, B));
+  std::vector<Paged> caches;
+  caches.reserve(static_cast<std::size_t>(B));
+  {
+    Paged prompt(mech.config, pool);
+    mech.fill(prompt, prefix, rows);
+    for (Index s = 0; s < B; ++s) caches.push_back(prompt);  // forks: the prompt's pages
+  }
+  std::vector<Paged*> pointers;
+  std::vector<const Paged*> held;
+  for (auto& cache : caches) {
+    // Each sequence's own tokens (the same pool rows in each: values do not change the work).
+    mech.fill(cache, prefix + own, rows);
+    pointers.push_back(&cache);
+    held.push_back(&cache);
+  }
+  ReadSet reads;
+  add_pages(reads, held);
+  const double cache_bytes = reads.bytes();
+  mech.add_layer_weights(reads, *layer);
+  ReadSet weights;
+  mech.add_layer_weights(weights, *layer);
+  const Mat x = kvattn::random_normal<float>(B, mech.d_model(), rng);
+  Mat out(B, mech.d_model()), unshared(B, mech.d_model()), single(B, mech.d_model());
+  auto workspace = layer->make_workspace(threads);
+  const std::span<Paged* const> batch(pointers);
+  const Index L = prefix + own;
+  auto truncate_all = [&] {
+    for (auto& cache : caches) cache.truncate(L);
+  };
+  auto run_shared = [&] {
+    layer->decode_batch(x, batch, out, workspace, threads,
+                        kvattn::BatchOptions{.shared_prefix = prefix});
+    truncate_all();
+  };
+  auto run_unshared = [&] {
+    layer->decode_batch(x, batch, unshared, workspace, threads);
+    truncate_all();
+  };
+  auto run_separate = [&] {
+    for (Index s = 0; s < B; ++s) {
+      layer->decode(x.row(s), caches[static_cast<std::size_t>(s)], single.row(s), workspace,
+                    threads);
+    }
+    truncate_all();
+  };
+  run_shared();  // untimed: page faults, the thread team, the workspace
+  run_unshared();
+  run_separate();
+  if (smoke()) {
+    const double err = std::max(relative_error(out, single), relative_error(unshared, single));
+    if (!(err <= kCheckTolerance)) {
+      fail(state, mech.name + ": the shared-prefix decode differs from B decode calls by " +
+                      std::to_string(err));
+      return;
+    }
+  }
+  Limits limits;
+  Index it = 0;
+  double shared_seconds = 0, unshared_seconds = 0, separate_seconds = 0;
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    run_shared();
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+    shared_seconds += seconds_since(start);
+    state.PauseTiming();
+    auto other = Clock::now();
+    run_unshared();
+    unshared_seconds += seconds_since(other);
+    other = Clock::now();
+    run_separate();
+    separate_seconds += seconds_since(other);
+    limits.read(reads, T);
+    state.ResumeTiming();
+    ++it;
+  }
+  Cost cost;
+  cost.bytes = reads.bytes();  // the prefix's pages once, every sequence's own, weights once
+  cost.cache_bytes = cache_bytes;
+  cost.flops = static_cast<double>(B) * mech.layer_flops(L);
+  report(state, cost, limits, T);
+  if (it == 0) return;
+  state.counters["vs_separate"] = benchmark::Counter(separate_seconds / shared_seconds);
+  state.counters["vs_unshared"] = benchmark::Counter(unshared_seconds / shared_seconds);
+  // The separate calls read every sequence's whole cache and every weight B times.
+  const double bw_ref = limits.bandwidth(), flop_ref = gemm_flop_rate(T);
+  const double separate_bytes =
+      static_cast<double>(B) * (static_cast<double>(caches[0].bytes()) + weights.bytes());
+  const auto bound = [&](double bytes) { return std::max(bytes / bw_ref, cost.flops / flop_ref); };
+  if (bw_ref > 0 && flop_ref > 0)
+    state.counters["roofline_ratio"] =
+        benchmark::Counter(bound(separate_bytes) / bound(cost.bytes));
+}
+
+/// Registers `name` with ArgNames {"B", "T"} (as add() does with {"L", "T"}).
+void add_batch(const std::string& name, Body body, const std::vector<Index>& batches,
+               const std::vector<int>& threads) {
+  auto* b = benchmark::RegisterBenchmark(name.c_str(), std::move(body));
+  b->ArgNames({"B", "T"});
+  const std::vector<Index> bs = smoke() ? std::vector<Index>{batches.front()} : batches;
+  for (const Index batch : bs) {
+    for (const int t : threads) b->Args({static_cast<std::int64_t>(batch), t});
+  }
+  b->UseRealTime()->Unit(benchmark::kMicrosecond);
+  if (smoke()) b->Iterations(1);
+}
+
+template <class M>
+void add_serving(const M& mech, const std::vector<int>& threads) {
+  add(
+      "decode_paged/" + mech.name, [mech](benchmark::State& s) { run_decode_paged<M>(s, mech); },
+      {65536}, threads);
+  add_batch(
+      "decode_batch/" + mech.name, [mech](benchmark::State& s) { run_decode_batch<M>(s, mech); },
+      smoke() ? std::vector<Index>{3} : std::vector<Index>{1, 4, 16, 64}, threads);
+  add_batch(
+      "decode_shared/" + mech.name, [mech](benchmark::State& s) { run_decode_shared<M>(s, mech); },
+      {16}, threads);
+}
+
+}  // namespace
+
+void register_serving() {
+  const std::vector<int> threads = thread_counts();
+  add_serving(mha_mech(), threads);
+  add_serving(gqa_mech(), threads);
+  add_serving(mqa_mech(), threads);
+  add_serving(mla_mech(), threads);
+  add_serving(lrkv_mech(), threads);
+}
+
+}  // namespace kvb
