@@ -3,7 +3,9 @@
 // per sequence (decode_batch/), and 16 sequences sharing a prompt prefix decoded with the
 // prefix read once (decode_shared/). bench/main.cpp documents the names and counters.
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <set>
@@ -38,6 +40,46 @@ void add_pages(ReadSet& set, const std::vector<const C*>& caches) {
 /// it only partly fills, and one more while a step's token is appended).
 Index pages_for(Index tokens, Index sequences) {
   return tokens / page_tokens() + 2 * sequences + 1;
+}
+
+/// Smoke mode only: false (and the benchmark failed) unless `got` equals `want` to
+/// kCheckTolerance (relative); `what` names the two paths.
+bool smoke_check(benchmark::State& state, const std::string& what, const Mat& got,
+                 const Mat& want) {
+  if (!smoke()) return true;
+  const double err = relative_error(got, want);
+  if (err <= kCheckTolerance) return true;
+  fail(state, what + " differ by " + std::to_string(err) + " (relative)");
+  return false;
+}
+
+/// The loop of a serving benchmark: each iteration times `timed` (real time), then,
+/// untimed, runs each of `untimed` in turn (its time summed into untimed_seconds) and a
+/// read pass over `reads` with T threads. Returns the timed steps' seconds summed (0 when
+/// no iteration ran).
+template <std::size_t N>
+double compared_loop(benchmark::State& state, const std::function<void()>& timed,
+                     const std::array<std::function<void()>, N>& untimed,
+                     std::array<double, N>& untimed_seconds, Limits& limits, const ReadSet& reads,
+                     int T) {
+  double timed_seconds = 0;
+  untimed_seconds.fill(0);
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    timed();
+    benchmark::ClobberMemory();
+    timed_seconds += seconds_since(start);
+    state.PauseTiming();
+    for (std::size_t i = 0; i < N; ++i) {
+      const auto other = Clock::now();
+      untimed[i]();
+      benchmark::ClobberMemory();
+      untimed_seconds[i] += seconds_since(other);
+    }
+    limits.read(reads, T);
+    state.ResumeTiming();
+  }
+  return timed_seconds;
 }
 
 /// The ragged lengths of decode_batch/<mech>/B:<B>: spread evenly from 1,024 tokens to
@@ -84,41 +126,25 @@ void run_decode_paged(benchmark::State& state, const M& mech) {
   const Row query = kvattn::random_normal<float>(1, mech.query_width(), rng);
   Row heads(mech.heads_width()), want(mech.heads_width());
 
-  layer->attend(query, paged, heads, workspace, threads);  // untimed: page faults, threads
-  layer->attend(query, contiguous, want, workspace, threads);
-  if (smoke()) {
-    const double err = relative_error(heads, want);
-    if (!(err <= kCheckTolerance)) {
-      fail(state, mech.name + ": attend over the paged cache differs from the contiguous one by " +
-                      std::to_string(err));
-      return;
-    }
+  auto run_paged = [&] { layer->attend(query, paged, heads, workspace, threads); };
+  auto run_contiguous = [&] { layer->attend(query, contiguous, want, workspace, threads); };
+  run_paged();  // untimed: page faults, the thread team
+  run_contiguous();
+  if (!smoke_check(state, mech.name + ": attend over the paged and the contiguous cache", heads,
+                   want)) {
+    return;
   }
   Limits limits;
-  Index it = 0;
-  double contiguous_seconds = 0, paged_seconds = 0;
-  for (auto _ : state) {
-    const auto start = Clock::now();
-    layer->attend(query, paged, heads, workspace, threads);
-    benchmark::DoNotOptimize(heads.data());
-    benchmark::ClobberMemory();
-    paged_seconds += seconds_since(start);
-    state.PauseTiming();
-    const auto other = Clock::now();
-    layer->attend(query, contiguous, want, workspace, threads);
-    benchmark::DoNotOptimize(want.data());
-    contiguous_seconds += seconds_since(other);
-    limits.read(reads, T);
-    state.ResumeTiming();
-    ++it;
-  }
+  std::array<double, 1> contiguous_seconds{};
+  const double paged_seconds =
+      compared_loop<1>(state, run_paged, {run_contiguous}, contiguous_seconds, limits, reads, T);
   Cost cost;
   cost.bytes = reads.bytes();
   cost.cache_bytes = static_cast<double>(paged.bytes());
   cost.flops = mech.attend_flops(L);
   report(state, cost, limits, T);
-  if (it > 0)
-    state.counters["vs_contiguous"] = benchmark::Counter(contiguous_seconds / paged_seconds);
+  if (paged_seconds > 0)
+    state.counters["vs_contiguous"] = benchmark::Counter(contiguous_seconds[0] / paged_seconds);
 }
 
 /// decode_batch/<mech>/B:<B>/T:<T>: one layer.decode_batch over B contiguous caches of
@@ -169,34 +195,14 @@ void run_decode_batch(benchmark::State& state, const M& mech) {
   };
   run_batch();  // untimed: page faults, the thread team, the workspace's batch buffers
   run_separate();
-  if (smoke()) {
-    const double err = relative_error(out, single);
-    if (!(err <= kCheckTolerance)) {
-      fail(state,
-           mech.name + ": decode_batch differs from B decode calls by " + std::to_string(err));
-      return;
-    }
-  }
+  if (!smoke_check(state, mech.name + ": decode_batch and B decode calls", out, single)) return;
   Limits limits;
-  Index it = 0;
-  double batch_seconds = 0, separate_seconds = 0;
-  for (auto _ : state) {
-    const auto start = Clock::now();
-    run_batch();
-    benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-    batch_seconds += seconds_since(start);
-    state.PauseTiming();
-    const auto other = Clock::now();
-    run_separate();
-    benchmark::DoNotOptimize(single.data());
-    separate_seconds += seconds_since(other);
-    limits.read(reads, T);
-    state.ResumeTiming();
-    ++it;
-  }
+  std::array<double, 1> separate_seconds{};
+  const double batch_seconds =
+      compared_loop<1>(state, run_batch, {run_separate}, separate_seconds, limits, reads, T);
   report(state, cost, limits, T);
-  if (it > 0) state.counters["vs_separate"] = benchmark::Counter(separate_seconds / batch_seconds);
+  if (batch_seconds > 0)
+    state.counters["vs_separate"] = benchmark::Counter(separate_seconds[0] / batch_seconds);
 }
 
 /// decode_shared/<mech>/B:16/T:<T>: 16 paged sequences forked from one 8,192-token
@@ -234,12 +240,11 @@ void run_decode_shared(benchmark::State& state, const M& mech) {
     pointers.push_back(&cache);
     held.push_back(&cache);
   }
-  ReadSet reads;
+  ReadSet reads, weights;
   add_pages(reads, held);
   const double cache_bytes = reads.bytes();
-  mech.add_layer_weights(reads, *layer);
-  ReadSet weights;
   mech.add_layer_weights(weights, *layer);
+  for (const auto& span : weights.spans()) reads.add(span.data, span.bytes);
   const Mat x = kvattn::random_normal<float>(B, mech.d_model(), rng);
   Mat out(B, mech.d_model()), unshared(B, mech.d_model()), single(B, mech.d_model());
   auto workspace = layer->make_workspace(threads);
@@ -267,42 +272,23 @@ void run_decode_shared(benchmark::State& state, const M& mech) {
   run_shared();  // untimed: page faults, the thread team, the workspace
   run_unshared();
   run_separate();
-  if (smoke()) {
-    const double err = std::max(relative_error(out, single), relative_error(unshared, single));
-    if (!(err <= kCheckTolerance)) {
-      fail(state, mech.name + ": the shared-prefix decode differs from B decode calls by " +
-                      std::to_string(err));
-      return;
-    }
+  if (!smoke_check(state, mech.name + ": the shared-prefix decode and B decode calls", out,
+                   single) ||
+      !smoke_check(state, mech.name + ": decode_batch and B decode calls", unshared, single)) {
+    return;
   }
   Limits limits;
-  Index it = 0;
-  double shared_seconds = 0, unshared_seconds = 0, separate_seconds = 0;
-  for (auto _ : state) {
-    const auto start = Clock::now();
-    run_shared();
-    benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-    shared_seconds += seconds_since(start);
-    state.PauseTiming();
-    auto other = Clock::now();
-    run_unshared();
-    unshared_seconds += seconds_since(other);
-    other = Clock::now();
-    run_separate();
-    separate_seconds += seconds_since(other);
-    limits.read(reads, T);
-    state.ResumeTiming();
-    ++it;
-  }
+  std::array<double, 2> seconds{};  // unshared, separate
+  const double shared_seconds =
+      compared_loop<2>(state, run_shared, {run_unshared, run_separate}, seconds, limits, reads, T);
   Cost cost;
   cost.bytes = reads.bytes();  // the prefix's pages once, every sequence's own, weights once
   cost.cache_bytes = cache_bytes;
   cost.flops = static_cast<double>(B) * mech.layer_flops(L);
   report(state, cost, limits, T);
-  if (it == 0) return;
-  state.counters["vs_separate"] = benchmark::Counter(separate_seconds / shared_seconds);
-  state.counters["vs_unshared"] = benchmark::Counter(unshared_seconds / shared_seconds);
+  if (shared_seconds <= 0) return;
+  state.counters["vs_separate"] = benchmark::Counter(seconds[1] / shared_seconds);
+  state.counters["vs_unshared"] = benchmark::Counter(seconds[0] / shared_seconds);
   // The separate calls read every sequence's whole cache and every weight B times.
   const double bw_ref = limits.bandwidth(), flop_ref = gemm_flop_rate(T);
   const double separate_bytes =
