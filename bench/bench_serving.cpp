@@ -25,11 +25,12 @@ namespace {
 /// d_h = 128 (smoke mode: 16, so that a 64-token cache spans pages).
 Index page_tokens() { return smoke() ? 16 : 256; }
 
-/// Every page a set of paged caches holds, each page once (forks share pages).
-template <class C>
-void add_pages(ReadSet& set, const std::vector<const C*>& caches) {
+/// Every page the paged caches `caches` (pointers) hold, each page once (forks share
+/// pages).
+template <class Pointers>
+void add_pages(ReadSet& set, const Pointers& caches) {
   std::set<Index> seen;
-  for (const C* cache : caches) {
+  for (const auto* cache : caches) {
     for (const Index page : cache->block_table()) {
       if (seen.insert(page).second) set.add(cache->pool().data(page), cache->pool().page_bytes());
     }
@@ -120,7 +121,7 @@ void run_decode_paged(benchmark::State& state, const M& mech) {
   typename M::template PagedCache<float> paged(mech.config, pool);
   mech.fill(paged, L, rows);
   ReadSet reads;
-  add_pages(reads, std::vector<const decltype(paged)*>{&paged});
+  add_pages(reads, std::array{&paged});
   mech.add_attend_weights(reads, *layer);
   auto workspace = layer->make_workspace(threads);
   const Row query = kvattn::random_normal<float>(1, mech.query_width(), rng);
@@ -233,15 +234,13 @@ void run_decode_shared(benchmark::State& state, const M& mech) {
     for (Index s = 0; s < B; ++s) caches.push_back(prompt);  // forks: the prompt's pages
   }
   std::vector<Paged*> pointers;
-  std::vector<const Paged*> held;
   for (auto& cache : caches) {
     // Each sequence's own tokens (the same pool rows in each: values do not change the work).
     mech.fill(cache, prefix + own, rows);
     pointers.push_back(&cache);
-    held.push_back(&cache);
   }
   ReadSet reads, weights;
-  add_pages(reads, held);
+  add_pages(reads, pointers);
   const double cache_bytes = reads.bytes();
   mech.add_layer_weights(weights, *layer);
   for (const auto& span : weights.spans()) reads.add(span.data, span.bytes);
