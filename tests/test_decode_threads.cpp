@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "attend_util.hpp"
 #include "kvattn/attention/gqa.hpp"
@@ -249,6 +250,65 @@ TEST_CASE("LRKV attend/decode at 1, 2, 3 and all threads equal the reference", "
       }
       ++seed;
     }
+  }
+}
+
+namespace {
+
+// The windows, sinks, sink logits and soft-caps of the split test below: a window long
+// enough to split (its tokens >= 8 tiles at 2 threads), so a split can end inside the sink
+// tokens or start inside the window, and the sink logit must enter once after the merge.
+template <class Config>
+std::vector<Config> with_spans(Config c, Index window) {
+  std::vector<Config> out;
+  Config logits = c;
+  logits.sink_logits = true;
+  logits.logit_softcap = 1.5;
+  out.push_back(logits);
+  Config windowed = c;
+  windowed.window = window;
+  windowed.sink_tokens = 7;
+  out.push_back(windowed);
+  windowed.sink_logits = true;
+  windowed.logit_softcap = 0.8;
+  out.push_back(windowed);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("windows, sinks, sink logits and soft-caps over a split sequence equal the reference",
+          "[threads][window]") {
+  warn_without_openmp();
+  const RopeConfig rope{RopeLayout::half_split, 10000.0, 7};
+  std::uint64_t seed = 400;
+  for (const GqaConfig& config :
+       with_spans(mha_config(64, 2, 64, rope), 1500)) {  // 2 groups: 2 threads split too
+    CAPTURE(config.window, config.sink_tokens, config.sink_logits, config.logit_softcap);
+    const auto layer = GqaLayer<float>::random(config, seed++);
+    for (const Index length : {Index{5}, Index{2000}}) check_against_reference(layer, length, seed);
+  }
+  // One group of 512-token tiles: 2 threads split a window of 4500 (and all 5000 tokens).
+  for (const GqaConfig& config : with_spans(mqa_config(64, 4, 64, rope), 4500)) {
+    CAPTURE(config.window, config.sink_tokens, config.sink_logits, config.logit_softcap);
+    const auto layer = GqaLayer<float>::random(config, seed++);
+    CHECK(detail::plan_split(1, 4, 64, 5000, layer.decode_tile(), 0, 2,
+                             detail::AttentionSpan::of(config))
+              .splits == 2);
+    check_against_reference(layer, 5000, seed);
+  }
+  for (const MlaConfig& config : with_spans(small_mla(), 1500)) {
+    CAPTURE(config.window, config.sink_tokens, config.sink_logits, config.logit_softcap);
+    const auto layer = MlaLayer<float>::random(config, seed++);
+    CHECK(detail::plan_split(1, config.n_heads, config.kv_rank, 2000, layer.decode_tile(), 0, 3,
+                             detail::AttentionSpan::of(config))
+              .splits == 3);
+    check_against_reference(layer, 2000, seed);
+  }
+  for (const LrkvConfig& config : with_spans(small_lrkv(LrkvRopeMode::shared, true), 300)) {
+    CAPTURE(config.window, config.sink_tokens, config.sink_logits, config.logit_softcap);
+    const auto layer = LrkvLayer<float>::random(config, seed++, 0.7);
+    for (const Index length : {Index{5}, Index{2000}}) check_against_reference(layer, length, seed);
   }
 }
 

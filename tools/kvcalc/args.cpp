@@ -147,12 +147,12 @@ using Args = std::vector<std::pair<std::string, std::optional<std::string>>>;
 /// Splits the arguments into (flag, value) pairs; every flag known, none twice.
 Args split_flags(const std::vector<std::string>& argv) {
   static const std::vector<std::string> valued = {
-      "--heads",     "--head-dim",      "--layers",      "--d-model",    "--kv-heads",
-      "--kv-rank",   "--q-rank",        "--rope-dim",    "--v-dim",      "--lrkv-rank",
-      "--dtype",     "--seq-len",       "--batch",       "--tp",         "--mechanism",
-      "--preset",    "--hf-config",     "--budget",      "--svg",        "--page-size",
-      "--window",    "--window-layers", "--scale-block", "--rope-dtype", "--rank-step",
-      "--bandwidth", "--flops"};
+      "--heads",     "--head-dim",      "--layers",      "--d-model",     "--kv-heads",
+      "--kv-rank",   "--q-rank",        "--rope-dim",    "--v-dim",       "--lrkv-rank",
+      "--dtype",     "--seq-len",       "--batch",       "--tp",          "--mechanism",
+      "--preset",    "--hf-config",     "--budget",      "--svg",         "--page-size",
+      "--window",    "--window-layers", "--scale-block", "--rope-dtype",  "--rank-step",
+      "--bandwidth", "--flops",         "--sink-tokens", "--max-rollback"};
   static const std::vector<std::string> switches = {"--json", "--list-presets", "--help", "-h"};
   Args args;
   for (std::size_t i = 0; i < argv.size(); ++i) {
@@ -203,6 +203,8 @@ void apply(const std::string& flag, const std::string& v, Options& o) {
   if (flag == "--lrkv-rank") s.lrkv_rank = parse_count(flag, v, 0);
   if (flag == "--window") s.window = parse_count(flag, v, 1);
   if (flag == "--window-layers") s.window_layers = parse_count(flag, v, 0);
+  if (flag == "--sink-tokens") s.sink_tokens = parse_count(flag, v, 0);
+  if (flag == "--max-rollback") s.max_rollback = parse_count(flag, v, 0);
   if (flag == "--dtype") s.dtype = parse_dtype_flag(flag, v);
   if (flag == "--rope-dtype") o.rope_dtype = parse_dtype_flag(flag, v);
   if (flag == "--seq-len") o.seq_len = parse_count(flag, v, 1);
@@ -253,6 +255,9 @@ Serving:
   --page-size N      tokens per page of a paged cache (0: exact)
   --window N         sliding window W: such layers keep at most W tokens
   --window-layers N  how many layers use the window          (all, with --window)
+  --sink-tokens N    window layers also keep their first N tokens (StreamingLLM) (0)
+  --max-rollback N   window layers also keep N tokens past the window, so a
+                     rollback (speculative decoding) of up to N tokens is exact (0)
   --tp N             tensor-parallel degree; totals are per device and summed
   --bandwidth GB/S   predict a decode step per token (one sequence, every layer's
                      attention over the tokens it keeps) at this read bandwidth ...

@@ -25,6 +25,8 @@ json to_json(const Options& o, const Resolved& r, const std::vector<Row>& rows,
   j["page_size"] = r.work.page_tokens;
   j["window"] = r.stack.window;
   j["window_layers"] = r.stack.window_layers;
+  j["sink_tokens"] = r.stack.sink_tokens;
+  j["max_rollback"] = r.stack.max_rollback;
   j["tp"] = r.tp;
   if (r.machine) {
     j["machine"] = {{"bandwidth_gb_per_s", r.machine->bytes_per_second / 1e9},

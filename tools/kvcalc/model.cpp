@@ -32,14 +32,15 @@ Index default_d_model(Index heads, Index head_dim) {
 }
 
 /// The roofline time of one decoded token of one sequence: every layer's attention step
-/// over the tokens it keeps (a window layer min(L, W)), each at max(bytes / bandwidth,
+/// over the tokens it sees (a window layer min(L, W + sink tokens)), each at max(bytes / bandwidth,
 /// FLOPs / rate). The weights a step reads (MLA's W_UK and W_UV, LRKV's bases) count at
 /// the cache's element width, but at least 2 bytes (a bf16 checkpoint).
 template <class Config>
 void add_decode_time(Row& row, const Config& config, const Resolved& r) {
   const Index weight_bytes = std::max<Index>(2, an::bytes_per_element(r.storage.dtype));
   const Index full_layers = r.stack.layers - r.stack.window_layers;
-  const Index window_tokens = std::min(r.work.seq_len, r.stack.window);
+  // The step reads the tokens a query sees (window and sink tokens), not the rollback margin.
+  const Index window_tokens = std::min(r.work.seq_len, r.stack.window + r.stack.sink_tokens);
   double seconds = 0.0, compute = 0.0, memory = 0.0;
   auto add = [&](Index layers, Index tokens) {
     if (layers == 0) return;
@@ -159,8 +160,14 @@ Resolved resolve(const Options& o) {
     fail("--window-layers " + std::to_string(window_layers) +
          " needs --window W, the tokens a sliding-window layer keeps (e.g. --window 4096)");
   }
+  const Index sink_tokens = s.sink_tokens.value_or(0);
+  const Index max_rollback = s.max_rollback.value_or(0);
+  if ((sink_tokens > 0 || max_rollback > 0) && window == 0) {
+    fail(std::string(sink_tokens > 0 ? "--sink-tokens" : "--max-rollback") +
+         " needs --window W: only sliding-window layers drop tokens");
+  }
   if (window == 0) window_layers = 0;
-  r.stack = {r.layers, window_layers, window};
+  r.stack = {r.layers, window_layers, window, sink_tokens, max_rollback};
   r.work = {o.seq_len, o.batch, o.page_size};
   const an::Dtype dtype = s.dtype.value_or(an::Dtype::bf16);
   if (o.scale_block > 0) {

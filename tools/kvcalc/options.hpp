@@ -31,7 +31,7 @@ inline constexpr Index kMaxCount = Index{1} << 53;
 /// optionals take the defaults in resolve().
 struct Shape {
   std::optional<Index> heads, head_dim, layers, d_model, kv_heads, kv_rank, q_rank, rope_dim, v_dim,
-      lrkv_rank, window, window_layers;
+      lrkv_rank, window, window_layers, sink_tokens, max_rollback;
   std::optional<an::Dtype> dtype;
   std::string own;                 // the model's own mechanism ("" for a bare shape)
   std::string source = "flags";    // what the shape came from, for titles

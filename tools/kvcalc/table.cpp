@@ -17,6 +17,10 @@ void print_table(std::ostream& out, const Options& o, const Resolved& r,
   if (r.stack.window_layers > 0) {
     workload += "; " + with_commas(r.stack.window_layers) + " of " + with_commas(r.layers) +
                 " layers keep a window of " + with_commas(r.stack.window) + " tokens";
+    if (r.stack.sink_tokens > 0)
+      workload += " + " + with_commas(r.stack.sink_tokens) + " sink tokens";
+    if (r.stack.max_rollback > 0)
+      workload += " + " + with_commas(r.stack.max_rollback) + " for rollback";
   }
   if (r.work.page_tokens > 0)
     workload += "; pages of " + with_commas(r.work.page_tokens) + " tokens";

@@ -247,13 +247,23 @@ constexpr Index bytes_per_token(const CacheLayout& layout, const CacheStorage& s
 
 // ---- Totals over layers x sequence length x batch ---------------------------------
 
-/// The attention layers of a model. A sliding-window layer keeps at most `window`
-/// tokens (the most recent ones), as serving systems do; the others keep them all.
+/// The attention layers of a model. A sliding-window layer keeps at most
+/// sink_tokens + window + max_rollback tokens (the first sink_tokens, StreamingLLM's
+/// sinks, and the most recent window + max_rollback), as kvattn's windowed paged caches
+/// and serving systems do; the others keep them all.
 struct LayerStack {
   Index layers = 1;         // l, attention layers in the model
   Index window_layers = 0;  // how many of them use a sliding window
   Index window = 0;         // W, tokens a window layer keeps (>= 1 when window_layers > 0)
+  Index sink_tokens = 0;    // k, first tokens a window layer keeps as well
+  Index max_rollback = 0;   // tokens past the window kept so truncate can roll back
   constexpr bool operator==(const LayerStack&) const = default;
+
+  /// The most tokens one window layer keeps: k + W + max_rollback.
+  constexpr Index window_keeps() const {
+    return detail::add(detail::add(window, sink_tokens, "window tokens"), max_rollback,
+                       "window tokens");
+  }
 };
 
 /// What is being served: `batch` sequences of `seq_len` tokens each, in a cache that
@@ -273,6 +283,11 @@ constexpr void check(const LayerStack& s) {
   detail::require(s.window_layers == 0 || s.window >= 1, where, "window", s.window,
                   "must be >= 1 when there are sliding-window layers");
   detail::require(s.window >= 0, where, "window", s.window, "must be >= 0");
+  detail::require(s.sink_tokens >= 0, where, "sink_tokens", s.sink_tokens, "must be >= 0");
+  detail::require(s.max_rollback >= 0, where, "max_rollback", s.max_rollback, "must be >= 0");
+  detail::require((s.sink_tokens == 0 && s.max_rollback == 0) || s.window_layers > 0, where,
+                  "sink_tokens / max_rollback", s.sink_tokens + s.max_rollback,
+                  "need sliding-window layers (they apply to window layers only)");
 }
 
 constexpr void check(const Workload& w) {
@@ -298,7 +313,8 @@ constexpr Index cached_token_layers(const LayerStack& stack, const Workload& wor
   const Index full = stack.layers - stack.window_layers;
   const Index full_tokens = cached_tokens(work.seq_len, 0, work.page_tokens);
   const Index window_tokens =
-      stack.window_layers > 0 ? cached_tokens(work.seq_len, stack.window, work.page_tokens) : 0;
+      stack.window_layers > 0 ? cached_tokens(work.seq_len, stack.window_keeps(), work.page_tokens)
+                              : 0;
   return detail::add(detail::mul(full, full_tokens, "token slots"),
                      detail::mul(stack.window_layers, window_tokens, "token slots"), "token slots");
 }

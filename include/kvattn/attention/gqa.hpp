@@ -185,7 +185,7 @@ class GqaLayer {
     const int thread_count = threads.resolved();
     // No tokens: nothing to append or attend (and no block of an empty matrix to take).
     if (x.rows() == 0) return RowMatrix<T>(0, config_.d_model);
-    const Index past = cache.tokens();
+    const Index past = cache.sequence_length();
     const Index length = x.rows();
     const Index dh = config_.head_dim;
     RowMatrix<T> query, key, value;
@@ -193,8 +193,8 @@ class GqaLayer {
     query *= scale_;
     // The new keys and values as the cache will store them (rounded to S).
     const Staged<S> staged(key, value);
-    const detail::CausalShape shape{past, past, dh, std::is_same_v<S, T> ? 0 : dh,
-                                    detail::cache_segment(cache)};
+    const detail::CausalShape shape{
+        past, past, dh, std::is_same_v<S, T> ? 0 : dh, detail::cache_segment(cache), span()};
     std::vector<detail::CausalScratch<T>> scratch(static_cast<std::size_t>(thread_count));
     for (auto& s : scratch) s.fit(shape);
     RowMatrix<T> heads(length, config_.query_width());
@@ -208,7 +208,8 @@ class GqaLayer {
                               row_source(cache, staged.value_data, g, true), dh};
       detail::causal_query_tile(shape, scratch[static_cast<std::size_t>(detail::thread_index())],
                                 ops, q0, std::min(detail::kPrefillTile, length - q0),
-                                heads.data() + q0 * heads.cols() + h * dh, heads.cols());
+                                heads.data() + q0 * heads.cols() + h * dh, heads.cols(),
+                                sink_logits() != nullptr ? sink_logits() + h : nullptr);
     });
     RowMatrix<T> out(length, config_.d_model);
     detail::parallel_product(heads, weights_.w_o, out, thread_count);
@@ -231,11 +232,11 @@ class GqaLayer {
     detail::check_shape(where, "x", x, 1, config_.d_model);
     detail::check_shape(where, "out", out, 1, config_.d_model);
     const int thread_count = threads.resolved();
-    auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    auto plan = prepare(ws, cache.sequence_length() + 1, thread_count);
     plan.segment = detail::cache_segment(cache);
-    cache.grow_for(cache.tokens() + 1);
+    cache.grow_for(cache.sequence_length() + 1);
     // Everything that may throw is done; from here the step cannot fail.
-    const Index position = cache.tokens();
+    const Index position = cache.sequence_length();
     detail::parallel_product(x, weights_.w_q, ws.query, thread_count);
     detail::parallel_product(x, weights_.w_k, ws.key, thread_count);
     detail::parallel_product(x, weights_.w_v, ws.value, thread_count);
@@ -290,9 +291,9 @@ class GqaLayer {
     check_cache(cache, where);
     detail::check_shape(where, "query", query, 1, query_width());
     detail::check_shape(where, "heads", heads, 1, heads_width());
-    detail::require_tokens(where, cache.tokens());
+    detail::require_tokens(where, cache.sequence_length());
     const int thread_count = threads.resolved();
-    auto plan = prepare(ws, cache.tokens(), thread_count);
+    auto plan = prepare(ws, cache.sequence_length(), thread_count);
     plan.segment = detail::cache_segment(cache);
     ws.query = query.row(0);
     attend_prepared(cache, ws, plan, heads.data());
@@ -329,7 +330,8 @@ class GqaLayer {
     detail::check_batch_caches(where, caches);
     for (const Cache* cache : caches) check_cache(*cache, where);
     const int thread_count = threads.resolved();
-    const Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
+    Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
+    if (config_.window > 0) prefix = 0;  // each sequence sees its own window (docs/serving.md)
     if (batch == 0) return;
     prepare_batch(ws, caches, prefix, thread_count);
     grow_batch(caches);
@@ -349,7 +351,8 @@ class GqaLayer {
         key += weights_.bias_k;
         value += weights_.bias_v;
       }
-      const double position = static_cast<double>(config_.rope.position_offset + cache.tokens());
+      const double position =
+          static_cast<double>(config_.rope.position_offset + cache.sequence_length());
       rope_.rotate(key.data(), position, config_.n_kv_heads, dh);
       rope_.rotate(query.data(), position, config_.n_heads, dh);
       query *= scale_;
@@ -403,9 +406,13 @@ class GqaLayer {
   }
 
  private:
+  // The window, sink tokens and soft-cap the kernels apply; the sink logits (one per
+  // query head) or nullptr.
+  detail::AttentionSpan span() const { return detail::AttentionSpan::of(config_); }
+  const T* sink_logits() const { return config_.sink_logits ? weights_.sinks.data() : nullptr; }
+
   template <class Cache>
   void check_cache(const Cache& cache, const char* where) const {
-    detail::require_plain_span(config_, where);
     if (!(cache.config() == config_)) {
       throw config_error(std::string(where) + ": the cache was made for config " +
                          detail::describe(cache.config()) + " (or other RoPE/bias settings)" +
@@ -458,7 +465,8 @@ class GqaLayer {
   template <class Cache, class S>
   detail::RowSource<S> row_source(const Cache& cache, const S* fresh, Index g, bool values) const {
     const Index dh = config_.head_dim;
-    detail::RowSource<S> source{nullptr, dh, fresh + g * dh, config_.kv_width(), cache.tokens()};
+    detail::RowSource<S> source{nullptr, dh, fresh + g * dh, config_.kv_width(),
+                                cache.sequence_length()};
     if constexpr (requires { cache.page_tokens(); }) {
       source.paged = &cache.rows_;
       source.block = values ? config_.n_kv_heads + g : g;
@@ -502,7 +510,7 @@ class GqaLayer {
     const Index tile = decode_tile();
     const Index buffer_width = 0;
     const auto plan = detail::plan_split(config_.n_kv_heads, config_.group_size(), config_.head_dim,
-                                         length, tile, buffer_width, threads);
+                                         length, tile, buffer_width, threads, span());
     ws.split.fit(plan);
     return plan;
   }
@@ -528,7 +536,10 @@ class GqaLayer {
     b.width = config_.head_dim;
     b.units.clear();
     Index slot = 0;
-    detail::plan_batch_units(b.units, slot, caches, prefix, groups, group, b.tile, threads);
+    detail::plan_batch_units(b.units, slot, caches, prefix, groups, group, b.tile, threads, span());
+    b.softcap = config_.logit_softcap;
+    b.sinks = sink_logits();
+    b.heads = config_.n_heads;
     b.fit(batch * config_.n_heads, threads);
   }
 
@@ -536,9 +547,10 @@ class GqaLayer {
   template <class Cache>
   static void grow_batch(std::span<Cache* const> caches) {
     detail::grow_all(
-        caches, [](Cache& cache) { cache.grow_for(cache.tokens() + 1); },
+        caches, [](Cache& cache) { cache.grow_for(cache.sequence_length() + 1); },
         [](Cache& cache) {
-          if constexpr (requires { cache.page_tokens(); }) cache.rows_.truncate(cache.tokens());
+          if constexpr (requires { cache.page_tokens(); })
+            cache.rows_.truncate(cache.sequence_length());
         });
   }
 
@@ -590,7 +602,7 @@ class GqaLayer {
     void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc) const {
       const Index row_bytes = head_dim * Index{sizeof(S)};
       const Index ahead = std::max<Index>(1, kPrefetchAhead / row_bytes);
-      const Index begin = std::min(cache.tokens(), first + ahead);
+      const Index begin = std::min(cache.sequence_length(), first + ahead);
       // Within one page of a paged cache (rows past it are elsewhere).
       const Index end =
           begin + std::min(first + n + ahead - begin, detail::contiguous_rows(cache, begin));
@@ -613,7 +625,8 @@ class GqaLayer {
   void attend_prepared(const Cache& cache, Workspace& ws, const detail::SplitPlan& plan,
                        T* heads) const {
     using S = typename Cache::storage_type;
-    const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
+    const double position =
+        static_cast<double>(config_.rope.position_offset + cache.sequence_length() - 1);
     rope_.rotate(ws.query.data(), position, config_.n_heads, config_.head_dim);
     ws.query *= scale_;
     const Index group = config_.group_size();
@@ -623,7 +636,7 @@ class GqaLayer {
     }
     const DecodeOps<Cache> ops{cache, ws.query.data(), group,
                                dh,    group * dh,      DecodeOps<Cache>::paired_score(group, dh)};
-    detail::split_attention(plan, ws.split, ops, heads);
+    detail::split_attention(plan, ws.split, ops, heads, sink_logits());
     if (detail::paired_rows<T, S>(dh)) {
       for (Index h = 0; h < config_.n_heads; ++h) detail::from_paired(heads + h * dh, dh);
     }

@@ -159,7 +159,7 @@ class LrkvLayer {
     // No tokens: nothing to append or attend (and no block of an empty matrix to take).
     if (x.rows() == 0) return RowMatrix<T>(0, config_.d_model);
     const Index n = x.rows();
-    const Index past = cache.tokens();
+    const Index past = cache.sequence_length();
     const Index H = config_.n_heads;
     const Index dh = config_.head_dim;
     const Index r = config_.rank;
@@ -201,7 +201,8 @@ class LrkvLayer {
       source.rms.cached = cache.rms_row(0);
     }
     const Index buffer_width = std::is_same_v<S, T> ? 0 : std::max(key_width(), dh + hr);
-    const detail::CausalShape shape{past, past, dh + r, buffer_width, detail::cache_segment(cache)};
+    const detail::CausalShape shape{past,  past, dh + r, buffer_width, detail::cache_segment(cache),
+                                    span()};
     struct PerThread {
       detail::CausalScratch<T> scratch;
       RowMatrix<T> out;  // tile x (d_h + r): [a_h V_s | a_h R_h^V], normalized
@@ -220,7 +221,8 @@ class LrkvLayer {
       auto& p = per_thread[static_cast<std::size_t>(detail::thread_index())];
       const PrefillOps<S> ops{source, query, query_latent, query_rope,      h,
                               dh,     r,     dr,           config_.key_norm};
-      detail::causal_query_tile(shape, p.scratch, ops, q0, nq, p.out.data(), dh + r);
+      detail::causal_query_tile(shape, p.scratch, ops, q0, nq, p.out.data(), dh + r,
+                                sink_logits() != nullptr ? sink_logits() + h : nullptr);
       // o_h = a_h V_s + (a_h R_h^V)(B_h^V)^T, already normalized.
       auto out = heads.block(q0, h * dh, nq, dh);
       out = p.out.topLeftCorner(nq, dh);
@@ -251,9 +253,9 @@ class LrkvLayer {
     detail::check_shape(where, "x", x, 1, config_.d_model);
     detail::check_shape(where, "out", out, 1, config_.d_model);
     const int thread_count = threads.resolved();
-    auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    auto plan = prepare(ws, cache.sequence_length() + 1, thread_count);
     plan.segment = detail::cache_segment(cache);
-    cache.grow_for(cache.tokens() + 1);
+    cache.grow_for(cache.sequence_length() + 1);
     // Everything that may throw is done; from here the step cannot fail.
     const Index dh = config_.head_dim;
     const Index hr = config_.n_heads * config_.rank;
@@ -265,7 +267,8 @@ class LrkvLayer {
     detail::parallel_product(x, weights_.u_v, ws.value.tail(hr), thread_count);
     detail::parallel_product(x, weights_.w_q, ws.query, thread_count);
     ws.query_rope.noalias() = x.row(0) * weights_.w_qr;
-    const double position = static_cast<double>(config_.rope.position_offset + cache.tokens());
+    const double position =
+        static_cast<double>(config_.rope.position_offset + cache.sequence_length());
     finish_key(position, ws.key.data(), ws.rms.data(), ws.scratch.data());
     cache.append_token(ws.key.head(dh), ws.key.segment(dh, hr), ws.key.tail(dr), ws.value.head(dh),
                        ws.value.tail(hr), ws.rms);
@@ -316,9 +319,9 @@ class LrkvLayer {
     check_cache(cache, where);
     detail::check_shape(where, "query", query, 1, query_width());
     detail::check_shape(where, "heads", heads, 1, heads_width());
-    detail::require_tokens(where, cache.tokens());
+    detail::require_tokens(where, cache.sequence_length());
     const int thread_count = threads.resolved();
-    auto plan = prepare(ws, cache.tokens(), thread_count);
+    auto plan = prepare(ws, cache.sequence_length(), thread_count);
     plan.segment = detail::cache_segment(cache);
     const Index dh = config_.head_dim;
     const Index dr = config_.decoupled_dim();
@@ -358,7 +361,8 @@ class LrkvLayer {
     detail::check_batch_caches(where, caches);
     for (const Cache* cache : caches) check_cache(*cache, where);
     const int thread_count = threads.resolved();
-    const Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
+    Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
+    if (config_.window > 0) prefix = 0;  // each sequence sees its own window (docs/serving.md)
     if (batch == 0) return;
     prepare_batch(ws, caches, prefix, thread_count);
     grow_batch(caches);
@@ -377,7 +381,8 @@ class LrkvLayer {
     ws.batch_query_rope.noalias() = x * weights_.w_qr;
     for (Index s = 0; s < batch; ++s) {
       Cache& cache = *caches[static_cast<std::size_t>(s)];
-      const double position = static_cast<double>(config_.rope.position_offset + cache.tokens());
+      const double position =
+          static_cast<double>(config_.rope.position_offset + cache.sequence_length());
       auto key = ws.batch_key.row(s);
       auto value = ws.batch_value.row(s);
       auto rms = ws.batch_rms.row(s);
@@ -458,9 +463,13 @@ class LrkvLayer {
         "expanded full-RoPE model");
   }
 
+  // The window, sink tokens and soft-cap the kernels apply; the sink logits (one per
+  // query head) or nullptr.
+  detail::AttentionSpan span() const { return detail::AttentionSpan::of(config_); }
+  const T* sink_logits() const { return config_.sink_logits ? weights_.sinks.data() : nullptr; }
+
   template <class Cache>
   void check_cache(const Cache& cache, const char* where) const {
-    detail::require_plain_span(config_, where);
     if (!(cache.config() == config_)) {
       throw config_error(std::string(where) + ": the cache was made for config " +
                          detail::describe(cache.config()) +
@@ -532,7 +541,8 @@ class LrkvLayer {
     fit(ws.scratch, dh);
     fit(ws.heads, H * dh);
     detail::reshape(ws.acc, H, dh + config_.rank);
-    const auto plan = detail::plan_split(1, H, dh + config_.rank, length, kDecodeTile, 0, threads);
+    const auto plan =
+        detail::plan_split(1, H, dh + config_.rank, length, kDecodeTile, 0, threads, span());
     ws.split.fit(plan);
     return plan;
   }
@@ -561,7 +571,10 @@ class LrkvLayer {
     b.width = dh + config_.rank;
     b.units.clear();
     Index slot = 0;
-    detail::plan_batch_units(b.units, slot, caches, prefix, 1, H, b.tile, threads);
+    detail::plan_batch_units(b.units, slot, caches, prefix, 1, H, b.tile, threads, span());
+    b.softcap = config_.logit_softcap;
+    b.sinks = sink_logits();
+    b.heads = H;
     b.fit(batch * H, threads);
   }
 
@@ -569,9 +582,10 @@ class LrkvLayer {
   template <class Cache>
   static void grow_batch(std::span<Cache* const> caches) {
     detail::grow_all(
-        caches, [](Cache& cache) { cache.grow_for(cache.tokens() + 1); },
+        caches, [](Cache& cache) { cache.grow_for(cache.sequence_length() + 1); },
         [](Cache& cache) {
-          if constexpr (requires { cache.page_tokens(); }) cache.rows_.truncate(cache.tokens());
+          if constexpr (requires { cache.page_tokens(); })
+            cache.rows_.truncate(cache.sequence_length());
         });
   }
 
@@ -729,7 +743,8 @@ class LrkvLayer {
     const Index H = config_.n_heads;
     const Index dh = config_.head_dim;
     const Index r = config_.rank;
-    const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
+    const double position =
+        static_cast<double>(config_.rope.position_offset + cache.sequence_length() - 1);
     finish_query(position, ws.query.data(), ws.query_latent.data(), ws.query_rope.data());
     const DecodeOps<Cache> ops{cache,
                                ws.query.data(),
@@ -742,7 +757,7 @@ class LrkvLayer {
                                key_width(),
                                dh + H * r,
                                config_.key_norm};
-    detail::split_attention(plan, ws.split, ops, ws.acc.data());
+    detail::split_attention(plan, ws.split, ops, ws.acc.data(), sink_logits());
     if (detail::paired_rows<T, S>(dh)) {  // bf16 shared values were summed in pairs
       for (Index h = 0; h < H; ++h) detail::from_paired(ws.acc.row(h).data(), dh);
     }

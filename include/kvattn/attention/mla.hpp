@@ -244,7 +244,7 @@ class MlaLayer {
     const int thread_count = threads.resolved();
     // No tokens: nothing to append or attend (and no block of an empty matrix to take).
     if (x.rows() == 0) return RowMatrix<T>(0, config_.d_model);
-    const Index past = cache.tokens();
+    const Index past = cache.sequence_length();
     const Index length = x.rows();
     RowMatrix<T> query, latent, rope_keys;
     project(x, past, query, latent, rope_keys, thread_count);
@@ -301,11 +301,11 @@ class MlaLayer {
     detail::check_shape(where, "x", x, 1, config_.d_model);
     detail::check_shape(where, "out", out, 1, config_.d_model);
     const int thread_count = threads.resolved();
-    auto plan = prepare(ws, cache.tokens() + 1, thread_count);
+    auto plan = prepare(ws, cache.sequence_length() + 1, thread_count);
     plan.segment = detail::cache_segment(cache);
-    cache.grow_for(cache.tokens() + 1);
+    cache.grow_for(cache.sequence_length() + 1);
     // Everything that may throw is done; from here the step cannot fail.
-    project_token(x, cache.tokens(), ws);
+    project_token(x, cache.sequence_length(), ws);
     cache.append_token(ws.latent, ws.rope_key);
     attend_prepared(cache, ws, plan, ws.heads.data(), thread_count);
     detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
@@ -354,12 +354,13 @@ class MlaLayer {
     check_cache(cache, where);
     detail::check_shape(where, "query", query, 1, query_width());
     detail::check_shape(where, "heads", heads, 1, heads_width());
-    detail::require_tokens(where, cache.tokens());
+    detail::require_tokens(where, cache.sequence_length());
     const int thread_count = threads.resolved();
-    auto plan = prepare(ws, cache.tokens(), thread_count);
+    auto plan = prepare(ws, cache.sequence_length(), thread_count);
     plan.segment = detail::cache_segment(cache);
     ws.query = query.row(0);
-    const double position = static_cast<double>(config_.rope.position_offset + cache.tokens() - 1);
+    const double position =
+        static_cast<double>(config_.rope.position_offset + cache.sequence_length() - 1);
     rope_.rotate(ws.query.data() + config_.qk_nope_dim, position, config_.n_heads,
                  config_.qk_head_dim());
     attend_prepared(cache, ws, plan, heads.data(), thread_count);
@@ -393,7 +394,8 @@ class MlaLayer {
     detail::check_batch_caches(where, caches);
     for (const Cache* cache : caches) check_cache(*cache, where);
     const int thread_count = threads.resolved();
-    const Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
+    Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
+    if (config_.window > 0) prefix = 0;  // each sequence sees its own window (docs/serving.md)
     if (batch == 0) return;
     prepare_batch(ws, caches, prefix, thread_count);
     grow_batch(caches);
@@ -423,7 +425,7 @@ class MlaLayer {
         rms_norm_inplace(ws.batch_latent.row(s).data(), dc, weights_.kv_norm_gain.data(),
                          c.norm_epsilon);
       }
-      const double position = static_cast<double>(c.rope.position_offset + cache.tokens());
+      const double position = static_cast<double>(c.rope.position_offset + cache.sequence_length());
       rope_.rotate(ws.batch_query.row(s).data() + dn, position, H, qd);
       rope_.rotate(ws.batch_rope_key.row(s).data(), position);
       cache.append_token(ws.batch_latent.row(s), ws.batch_rope_key.row(s));
@@ -477,9 +479,13 @@ class MlaLayer {
   }
 
  private:
+  // The window, sink tokens and soft-cap the kernels apply; the sink logits (one per
+  // query head) or nullptr.
+  detail::AttentionSpan span() const { return detail::AttentionSpan::of(config_); }
+  const T* sink_logits() const { return config_.sink_logits ? weights_.sinks.data() : nullptr; }
+
   template <class Cache>
   void check_cache(const Cache& cache, const char* where) const {
-    detail::require_plain_span(config_, where);
     if (!(cache.config() == config_)) {
       throw config_error(std::string(where) + ": the cache was made for config " +
                          detail::describe(cache.config()) +
@@ -553,7 +559,7 @@ class MlaLayer {
     detail::reshape(ws.latent_heads, c.n_heads, c.kv_rank);
     detail::reshape(ws.heads, c.n_heads * c.v_dim);
     const auto plan =
-        detail::plan_split(1, c.n_heads, c.kv_rank, length, decode_tile(), 0, threads);
+        detail::plan_split(1, c.n_heads, c.kv_rank, length, decode_tile(), 0, threads, span());
     ws.split.fit(plan);
     return plan;
   }
@@ -577,7 +583,10 @@ class MlaLayer {
     b.width = c.kv_rank;
     b.units.clear();
     Index slot = 0;
-    detail::plan_batch_units(b.units, slot, caches, prefix, 1, c.n_heads, b.tile, threads);
+    detail::plan_batch_units(b.units, slot, caches, prefix, 1, c.n_heads, b.tile, threads, span());
+    b.softcap = config_.logit_softcap;
+    b.sinks = sink_logits();
+    b.heads = c.n_heads;
     b.fit(batch * c.n_heads, threads);
   }
 
@@ -585,9 +594,10 @@ class MlaLayer {
   template <class Cache>
   static void grow_batch(std::span<Cache* const> caches) {
     detail::grow_all(
-        caches, [](Cache& cache) { cache.grow_for(cache.tokens() + 1); },
+        caches, [](Cache& cache) { cache.grow_for(cache.sequence_length() + 1); },
         [](Cache& cache) {
-          if constexpr (requires { cache.page_tokens(); }) cache.rows_.truncate(cache.tokens());
+          if constexpr (requires { cache.page_tokens(); })
+            cache.rows_.truncate(cache.sequence_length());
         });
   }
 
@@ -652,7 +662,7 @@ class MlaLayer {
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
     const DecodeOps<Cache> ops{cache, ws.absorbed.data(), c.n_heads, dc,
                                c.cache_elements_per_token()};
-    detail::split_attention(plan, ws.split, ops, ws.latent_heads.data());
+    detail::split_attention(plan, ws.split, ops, ws.latent_heads.data(), sink_logits());
     if (detail::paired_rows<T, S>(dc)) {  // bf16 latents were summed in pairs
       for (Index h = 0; h < c.n_heads; ++h) detail::from_paired(ws.latent_heads.row(h).data(), dc);
     }
@@ -709,11 +719,12 @@ class MlaLayer {
   // Causal attention of every query tile of one unit with `ops`, into out (L rows).
   template <class Ops>
   static void attend_all_tiles(const detail::CausalShape& shape, detail::CausalScratch<T>& scratch,
-                               const Ops& ops, Index length, T* out, Index out_stride) {
+                               const Ops& ops, Index length, T* out, Index out_stride,
+                               const T* sink) {
     for (Index q0 = 0; q0 < length; q0 += detail::kPrefillTile) {
       detail::causal_query_tile(shape, scratch, ops, q0,
                                 std::min(detail::kPrefillTile, length - q0), out + q0 * out_stride,
-                                out_stride);
+                                out_stride, sink);
     }
   }
 
@@ -728,17 +739,22 @@ class MlaLayer {
     const Index dn = c.qk_nope_dim;
     const Index dr = c.rope_dim;
     const Index qd = c.qk_head_dim();
-    const Index past = cache.tokens();
+    const Index past = cache.sequence_length();
     const Index length = query.rows();
     RowMatrix<T> rows(past + length, c.cache_elements_per_token());
     for (Index t = 0; t < past; ++t) {
+      // A windowed cache no longer holds what no new query sees (the kernel skips it).
+      if (!detail::cache_holds(cache, t)) {
+        rows.row(t).setZero();
+        continue;
+      }
       const S* row = cache.row_data(t);
       for (Index j = 0; j < rows.cols(); ++j) rows(t, j) = static_cast<T>(row[j]);
     }
     rows.bottomRows(length) = fresh.template cast<T>();
     const auto latent = rows.leftCols(dc);
     const RowMatrix<T> scaled = query * scale_;
-    const detail::CausalShape shape{past, 0, c.v_dim, 0};
+    const detail::CausalShape shape{past, 0, c.v_dim, 0, 0, span()};
     struct PerThread {
       RowMatrix<T> key, value;
       detail::CausalScratch<T> scratch;
@@ -755,7 +771,8 @@ class MlaLayer {
       p.key.leftCols(dn).noalias() = latent * weights_.w_uk.middleCols(h * dn, dn);
       p.value.noalias() = latent * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
       const DenseOps ops{scaled.data() + h * qd, scaled.cols(), p.key, p.value};
-      attend_all_tiles(shape, p.scratch, ops, length, heads.data() + h * c.v_dim, heads.cols());
+      attend_all_tiles(shape, p.scratch, ops, length, heads.data() + h * c.v_dim, heads.cols(),
+                       sink_logits() != nullptr ? sink_logits() + h : nullptr);
     });
   }
 
@@ -771,7 +788,7 @@ class MlaLayer {
     const Index dr = c.rope_dim;
     const Index qd = c.qk_head_dim();
     const Index width = c.cache_elements_per_token();
-    const Index past = cache.tokens();
+    const Index past = cache.sequence_length();
     const Index length = query.rows();
     detail::RowSource<S> rows{nullptr, width, fresh.data(), width, past};
     if constexpr (requires { cache.page_tokens(); }) {
@@ -779,8 +796,8 @@ class MlaLayer {
     } else {
       rows.cached = cache.row_data(0);
     }
-    const detail::CausalShape shape{past, past, dc, std::is_same_v<S, T> ? 0 : width,
-                                    detail::cache_segment(cache)};
+    const detail::CausalShape shape{
+        past, past, dc, std::is_same_v<S, T> ? 0 : width, detail::cache_segment(cache), span()};
     struct PerThread {
       RowMatrix<T> absorbed, latent_out;
       detail::CausalScratch<T> scratch;
@@ -797,7 +814,8 @@ class MlaLayer {
           scale_ * query.middleCols(h * qd, dn) * weights_.w_uk.middleCols(h * dn, dn).transpose();
       p.absorbed.rightCols(dr) = scale_ * query.middleCols(h * qd + dn, dr);
       const LatentOps<S> ops{p.absorbed, rows, dc};
-      attend_all_tiles(shape, p.scratch, ops, length, p.latent_out.data(), dc);
+      attend_all_tiles(shape, p.scratch, ops, length, p.latent_out.data(), dc,
+                       sink_logits() != nullptr ? sink_logits() + h : nullptr);
       heads.middleCols(h * c.v_dim, c.v_dim).noalias() =
           p.latent_out * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
     });

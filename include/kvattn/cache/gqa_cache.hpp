@@ -45,6 +45,9 @@ class GqaCache {
 
   const GqaConfig& config() const { return config_; }
   Index tokens() const { return keys_.tokens(); }
+  /// The sequence's length: tokens() (a contiguous cache holds every token, also with a
+  /// window; PagedCache drops what the window no longer sees).
+  Index sequence_length() const { return keys_.tokens(); }
   Index capacity() const { return keys_.capacity(); }
   Index elements_per_token() const {
     return keys_.elements_per_token() + values_.elements_per_token();

@@ -5,9 +5,12 @@
 //
 //   compute_type, storage_type  T (float/double) and S (defaults to T)
 //   rows_type                   a struct of the already-projected rows append takes
-//   tokens()                    number of cached tokens
+//   tokens()                    number of cached (held) tokens
+//   sequence_length()           the sequence's length, the position of the next token:
+//                               tokens() plus what a windowed cache no longer holds
 //   capacity(), reserve(n)      tokens that fit without reallocating; grow to n
-//   clear(), truncate(n)        drop every token; roll back to the first n tokens
+//   clear(), truncate(n)        drop every token; roll back to the first n tokens of the
+//                               sequence
 //   elements_per_token()        stored scalars per token, from the storage layout
 //   bytes()                     bytes held for the cached tokens (real buffer extents)
 //   capacity_bytes()            bytes allocated for cache contents
@@ -31,6 +34,7 @@ concept KVCache = std::copyable<C> &&
   typename C::compute_type;
   typename C::storage_type;
   { const_cache.tokens() } -> std::same_as<Index>;
+  { const_cache.sequence_length() } -> std::same_as<Index>;
   { const_cache.capacity() } -> std::same_as<Index>;
   cache.reserve(n);
   cache.clear();
@@ -59,6 +63,11 @@ consteval bool check_kv_cache() {
         { c.tokens() } -> std::same_as<Index>;
       },
       "a KVCache needs Index tokens() const");
+  static_assert(
+      requires(const C& c) {
+        { c.sequence_length() } -> std::same_as<Index>;
+      },
+      "a KVCache needs Index sequence_length() const");
   static_assert(
       requires(const C& c) {
         { c.capacity() } -> std::same_as<Index>;

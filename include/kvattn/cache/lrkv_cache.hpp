@@ -105,6 +105,9 @@ class LrkvCache {
 
   const LrkvConfig& config() const { return config_; }
   Index tokens() const { return keys_.tokens(); }
+  /// The sequence's length: tokens() (a contiguous cache holds every token, also with a
+  /// window; PagedCache drops what the window no longer sees).
+  Index sequence_length() const { return keys_.tokens(); }
   Index capacity() const { return keys_.capacity(); }
   /// 2 * (d_h + H * r) + d_R (decoupled) + H (key_norm), from the buffers' widths.
   Index elements_per_token() const {

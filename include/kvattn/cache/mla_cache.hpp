@@ -46,6 +46,9 @@ class MlaCache {
 
   const MlaConfig& config() const { return config_; }
   Index tokens() const { return rows_.tokens(); }
+  /// The sequence's length: tokens() (a contiguous cache holds every token, also with a
+  /// window; PagedCache drops what the window no longer sees).
+  Index sequence_length() const { return rows_.tokens(); }
   Index capacity() const { return rows_.capacity(); }
   /// d_c + d_R, from the storage layout.
   Index elements_per_token() const { return rows_.elements_per_token(); }

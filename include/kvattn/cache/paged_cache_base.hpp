@@ -11,6 +11,7 @@
 #include "kvattn/cache/page_pool.hpp"
 #include "kvattn/cache/paged_rows.hpp"
 #include "kvattn/cache/token_buffer.hpp"
+#include "kvattn/config/rules.hpp"
 #include "kvattn/core/dtype.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/index.hpp"
@@ -32,19 +33,28 @@ class PagedCacheBase {
  public:
   const Config& config() const { return config_; }
   const PagePool& pool() const { return rows_.pool(); }
-  Index tokens() const { return rows_.tokens(); }
-  /// Tokens the held pages fit.
+  /// The tokens held: every token, or with a window (config.window > 0) the sink tokens
+  /// and the last window + max_rollback tokens (see sequence_length).
+  Index tokens() const { return rows_.held_tokens(); }
+  /// The sequence's length, held tokens or not: the position of the next token. Equal to
+  /// tokens() without a window.
+  Index sequence_length() const { return rows_.length(); }
+  /// The tokens past the window a windowed cache keeps for truncate (0 without a window).
+  Index max_rollback() const { return max_rollback_; }
+  /// Whether token t (< sequence_length()) is still in the cache's pages.
+  bool holds(Index t) const { return rows_.holds(t); }
+  /// Tokens of the sequence the held pages reach to.
   Index capacity() const { return rows_.capacity(); }
   Index page_tokens() const { return rows_.page_tokens(); }
   /// The pages holding the sequence, in order (pool page indices).
   const std::vector<Index>& block_table() const { return rows_.table(); }
   Index elements_per_token() const { return config_.cache_elements_per_token(); }
-  /// Bytes of the cached tokens (as a contiguous cache of them holds).
+  /// Bytes of the held tokens (as a contiguous cache of them holds).
   std::size_t bytes() const { return rows_.bytes(); }
   /// Bytes of the pages held (a page shared with a fork counted in full by each).
   std::size_t capacity_bytes() const { return rows_.capacity_bytes(); }
 
-  /// Pages for `n` tokens in all. Strong exception guarantee (pool_exhausted).
+  /// Pages for a sequence of `n` tokens in all. Strong exception guarantee (pool_exhausted).
   void reserve(Index n) {
     if (n < 0)
       throw shape_error(std::string(name_) + "::reserve: n (" + std::to_string(n) +
@@ -53,10 +63,22 @@ class PagedCacheBase {
   }
   /// Drops every token and returns every page.
   void clear() noexcept { rows_.truncate(0); }
-  /// Rolls back to the first n tokens (speculative decoding), returning the pages past
-  /// them to the pool.
+  /// Rolls back to the first n tokens of the sequence (speculative decoding; n counts
+  /// from the sequence's start, as sequence_length), returning the pages past them to the
+  /// pool. With a window, exact while the tokens the next query sees are still held: a
+  /// rollback of up to max_rollback + 1 tokens after an append; shape_error beyond,
+  /// with nothing changed.
   void truncate(Index n) {
-    check_truncate(name_, n, tokens());
+    check_truncate(name_, n, sequence_length());
+    if (!rows_.can_truncate(n, config_.window)) {
+      throw shape_error(std::string(name_) + "::truncate(" + std::to_string(n) +
+                        "): a query at position " + std::to_string(n) + " sees tokens from " +
+                        std::to_string(std::max(Index{0}, n - config_.window + 1)) +
+                        " on, but the window (" + std::to_string(config_.window) +
+                        ") with max_rollback " + std::to_string(max_rollback_) +
+                        " keeps tokens from " + std::to_string(rows_.first_kept()) +
+                        " on; make the cache with a larger max_rollback");
+    }
     rows_.truncate(n);
   }
   /// The first token past the page that holds token t: rows are contiguous up to it.
@@ -67,8 +89,10 @@ class PagedCacheBase {
   /// page (a fork that appended into a shared last page holds a private copy of it). So
   /// forks of one sequence share the prefix they had when they were forked. False when
   /// n exceeds either sequence's tokens.
+  /// A windowed cache shares no prefix (decode_batch reads each sequence's own window).
   bool shares_prefix(const PagedCacheBase& other, Index n) const {
     if (n < 0 || n > tokens() || n > other.tokens()) return false;
+    if (n > 0 && (config_.window > 0 || other.config_.window > 0)) return false;
     if (rows_.pool_ptr() != other.rows_.pool_ptr()) return false;
     const Index page = page_tokens();
     const auto& mine = rows_.table();
@@ -96,30 +120,43 @@ class PagedCacheBase {
  protected:
   // Checks that `pool` holds pages of this cache's layout (`layout_name`, made by
   // `factory`), then takes it.
+  // `max_rollback` (>= 0): the tokens past the window a windowed cache keeps.
   PagedCacheBase(const char* name, const Config& config, std::shared_ptr<PagePool> pool,
-                 PageLayout layout, const std::string& layout_name, const char* factory)
+                 PageLayout layout, const std::string& layout_name, const char* factory,
+                 Index max_rollback)
       : config_(config),
-        rows_(checked(name, std::move(pool), std::move(layout), layout_name, factory)),
-        name_(name) {}
+        rows_(checked(name, std::move(pool), std::move(layout), layout_name, factory,
+                      retention(name, config, max_rollback))),
+        name_(name),
+        max_rollback_(config.window > 0 ? max_rollback : 0) {}
 
-  // Pages for `needed` tokens, and private copies of shared pages written into.
-  void grow_for(Index needed) { rows_.prepare_append(needed - tokens()); }
+  // Pages for a sequence of `needed` tokens, and private copies of shared pages written into.
+  void grow_for(Index needed) { rows_.prepare_append(needed - sequence_length()); }
 
   Config config_;
   PagedRows rows_;
 
  private:
+  static TokenRetention retention(const char* name, const Config& config, Index max_rollback) {
+    require(max_rollback >= 0, name, "max_rollback", max_rollback, "must be >= 0");
+    if (config.window == 0) return {};
+    return {config.sink_tokens,
+            size_sum(name, "window + max_rollback", config.window, max_rollback)};
+  }
+
   static PagedRows checked(const char* name, std::shared_ptr<PagePool> pool, PageLayout layout,
-                           const std::string& layout_name, const char* factory) {
+                           const std::string& layout_name, const char* factory,
+                           TokenRetention retention) {
     if (!pool) throw config_error(std::string(name) + ": the page pool is null");
     if (pool->layout() != layout_name || pool->page_bytes() != layout.page_bytes) {
       throw config_error(std::string(name) + ": the pool holds pages of " + pool->layout() +
                          ", this cache needs " + layout_name + " (make it with " + factory + ")");
     }
-    return PagedRows(std::move(pool), std::move(layout));
+    return PagedRows(std::move(pool), std::move(layout), retention);
   }
 
   const char* name_;
+  Index max_rollback_ = 0;
 };
 
 }  // namespace kvattn::detail

@@ -55,13 +55,15 @@ class PagedGqaCache : public detail::PagedCacheBase<GqaConfig> {
   using storage_type = S;
   using rows_type = typename GqaCache<T, S>::rows_type;
 
-  PagedGqaCache(const GqaConfig& config, std::shared_ptr<PagePool> pool)
+  /// With a window (config.window > 0), the cache keeps the sink tokens and the last
+  /// window + max_rollback tokens, returning every page past them to the pool.
+  PagedGqaCache(const GqaConfig& config, std::shared_ptr<PagePool> pool, Index max_rollback = 0)
       : detail::PagedCacheBase<GqaConfig>(
             "PagedGqaCache", config, pool,
             detail::gqa_page_layout<S>(config, pool ? pool->page_tokens() : 1),
             detail::page_layout_name<S>("GqaCache", detail::describe(config),
                                         pool ? pool->page_tokens() : 1),
-            "make_gqa_page_pool") {}
+            "make_gqa_page_pool", max_rollback) {}
 
   void append(const rows_type& rows) { append(rows.keys, rows.values); }
 
@@ -88,7 +90,7 @@ class PagedGqaCache : public detail::PagedCacheBase<GqaConfig> {
   // Writes and counts one token (1 x n_kv*d_h rows); grow_for must have run.
   template <class KeyRow, class ValueRow>
   void append_token(const KeyRow& key, const ValueRow& value) noexcept {
-    const Index t = tokens();
+    const Index t = sequence_length();
     const Index dh = config_.head_dim;
     for (Index g = 0; g < config_.n_kv_heads; ++g) {
       S* k = rows_.template writable_row<S>(g, t);

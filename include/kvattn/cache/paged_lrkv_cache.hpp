@@ -59,13 +59,15 @@ class PagedLrkvCache : public detail::PagedCacheBase<LrkvConfig> {
   using rows_type = typename LrkvCache<T, S>::rows_type;
   using norm_type = typename LrkvCache<T, S>::norm_type;
 
-  PagedLrkvCache(const LrkvConfig& config, std::shared_ptr<PagePool> pool)
+  /// With a window (config.window > 0), the cache keeps the sink tokens and the last
+  /// window + max_rollback tokens, returning every page past them to the pool.
+  PagedLrkvCache(const LrkvConfig& config, std::shared_ptr<PagePool> pool, Index max_rollback = 0)
       : detail::PagedCacheBase<LrkvConfig>(
             "PagedLrkvCache", config, pool,
             detail::lrkv_page_layout<S>(config, pool ? pool->page_tokens() : 1),
             detail::page_layout_name<S>("LrkvCache", detail::describe(config),
                                         pool ? pool->page_tokens() : 1),
-            "make_lrkv_page_pool") {}
+            "make_lrkv_page_pool", max_rollback) {}
 
   /// Appends n tokens of raw rows (as LrkvCache::append, key RMS finite and > 0).
   void append(const rows_type& rows) {
@@ -95,7 +97,7 @@ class PagedLrkvCache : public detail::PagedCacheBase<LrkvConfig> {
   template <class A, class B, class C, class D, class E, class F>
   void append_token(const A& shared_key, const B& residual_key, const C& rope_key,
                     const D& shared_value, const E& residual_value, const F& key_rms) noexcept {
-    const Index t = tokens();
+    const Index t = sequence_length();
     const Index dh = config_.head_dim;
     const Index hr = config_.residual_width();
     S* k = rows_.template writable_row<S>(1, t);

@@ -47,13 +47,15 @@ class PagedMlaCache : public detail::PagedCacheBase<MlaConfig> {
   using storage_type = S;
   using rows_type = typename MlaCache<T, S>::rows_type;
 
-  PagedMlaCache(const MlaConfig& config, std::shared_ptr<PagePool> pool)
+  /// With a window (config.window > 0), the cache keeps the sink tokens and the last
+  /// window + max_rollback tokens, returning every page past them to the pool.
+  PagedMlaCache(const MlaConfig& config, std::shared_ptr<PagePool> pool, Index max_rollback = 0)
       : detail::PagedCacheBase<MlaConfig>(
             "PagedMlaCache", config, pool,
             detail::mla_page_layout<S>(config, pool ? pool->page_tokens() : 1),
             detail::page_layout_name<S>("MlaCache", detail::describe(config),
                                         pool ? pool->page_tokens() : 1),
-            "make_mla_page_pool") {}
+            "make_mla_page_pool", max_rollback) {}
 
   void append(const rows_type& rows) { append(rows.latent, rows.rope_keys); }
 
@@ -76,7 +78,7 @@ class PagedMlaCache : public detail::PagedCacheBase<MlaConfig> {
   // Writes and counts one token; prepare_append must have run.
   template <class LatentRow, class RopeRow>
   void append_token(const LatentRow& latent, const RopeRow& rope_key) noexcept {
-    S* dst = rows_.template writable_row<S>(0, tokens());
+    S* dst = rows_.template writable_row<S>(0, sequence_length());
     for (Index j = 0; j < config_.kv_rank; ++j) dst[j] = static_cast<S>(latent(j));
     for (Index j = 0; j < config_.rope_dim; ++j)
       dst[config_.kv_rank + j] = static_cast<S>(rope_key(j));

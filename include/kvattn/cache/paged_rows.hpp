@@ -49,16 +49,41 @@ inline PageLayout page_layout(Index page_tokens, std::vector<PageBlock> blocks) 
   return layout;
 }
 
+/// Which tokens a windowed sequence keeps: the first `sink_tokens`, and the last `keep`
+/// (its window plus the tokens a rollback may need); keep 0 keeps every token.
+struct TokenRetention {
+  Index sink_tokens = 0;
+  Index keep = 0;
+};
+
 /// One sequence's pages. Copying shares every page (copy-on-write: the copy and the
 /// original each copy a shared page before writing into it); destruction and truncate
 /// return pages to the pool.
+///
+/// With a retention (keep > 0), the sequence holds tokens [0, sink_tokens) and
+/// [first_kept, length) only, first_kept = max(sink_tokens, length - keep) as the
+/// sequence grows: each page wholly between the two is returned to the pool as soon as the
+/// sequence passes it, so the pages held stay O(sink_tokens + keep) however long the
+/// sequence runs. The block table lists the held pages: the sink tokens' pages, then the
+/// window's, `dropped` pages after the sink pages having been returned.
 class PagedRows {
  public:
-  PagedRows(std::shared_ptr<PagePool> pool, PageLayout layout)
-      : pool_(std::move(pool)), layout_(std::move(layout)) {}
+  PagedRows(std::shared_ptr<PagePool> pool, PageLayout layout, TokenRetention retention = {})
+      : pool_(std::move(pool)),
+        layout_(std::move(layout)),
+        retention_(retention),
+        sink_pages_(retention.keep > 0
+                        ? (retention.sink_tokens + layout_.page_tokens - 1) / layout_.page_tokens
+                        : 0) {}
 
   PagedRows(const PagedRows& other)
-      : pool_(other.pool_), layout_(other.layout_), tokens_(other.tokens_) {
+      : pool_(other.pool_),
+        layout_(other.layout_),
+        retention_(other.retention_),
+        sink_pages_(other.sink_pages_),
+        dropped_(other.dropped_),
+        first_kept_(other.first_kept_),
+        tokens_(other.tokens_) {
     table_ = other.table_;  // may throw: nothing retained yet
     for (const Index page : table_) pool_->retain(page);
   }
@@ -73,6 +98,10 @@ class PagedRows {
     std::swap(pool_, other.pool_);
     std::swap(layout_, other.layout_);
     table_.swap(other.table_);
+    std::swap(retention_, other.retention_);
+    std::swap(sink_pages_, other.sink_pages_);
+    std::swap(dropped_, other.dropped_);
+    std::swap(first_kept_, other.first_kept_);
     std::swap(tokens_, other.tokens_);
   }
 
@@ -80,17 +109,32 @@ class PagedRows {
   const std::shared_ptr<PagePool>& pool_ptr() const { return pool_; }
   const PageLayout& layout() const { return layout_; }
   Index page_tokens() const { return layout_.page_tokens; }
-  Index tokens() const { return tokens_; }
+  /// The sequence's length: every token appended, held or not.
+  Index length() const { return tokens_; }
+  /// The tokens held: all of them, or the sink tokens and the last `keep` (retention).
+  Index held_tokens() const {
+    const Index sinks = std::min(retention_.sink_tokens, tokens_);
+    return retention_.keep > 0 ? sinks + tokens_ - std::max(sinks, first_kept_) : tokens_;
+  }
+  /// The first token past the sink tokens that is held (0 while nothing was dropped).
+  Index first_kept() const { return first_kept_; }
+  const TokenRetention& retention() const { return retention_; }
+  /// Whether token t (< length()) is held (its page is).
+  bool holds(Index t) const {
+    const Index page = t / layout_.page_tokens;
+    return t >= 0 && t < tokens_ && (page < sink_pages_ || page >= sink_pages_ + dropped_);
+  }
   Index pages() const { return static_cast<Index>(table_.size()); }
-  Index capacity() const { return pages() * layout_.page_tokens; }
+  /// Tokens of the sequence the held pages reach to (the pages returned counted too).
+  Index capacity() const { return (pages() + dropped_) * layout_.page_tokens; }
   const std::vector<Index>& table() const { return table_; }
 
-  /// Bytes of the cached tokens' rows (what a contiguous cache of them would hold).
+  /// Bytes of the held tokens' rows (what a contiguous cache of them would hold).
   std::size_t bytes() const {
     std::size_t per_token = 0;
     for (const auto& b : layout_.blocks)
       per_token += static_cast<std::size_t>(b.width) * b.element_bytes;
-    return per_token * static_cast<std::size_t>(tokens_);
+    return per_token * static_cast<std::size_t>(held_tokens());
   }
   /// Bytes of the pages this sequence holds (shared pages counted in full).
   std::size_t capacity_bytes() const {
@@ -110,7 +154,8 @@ class PagedRows {
   void reserve(Index n) {
     // Pages for n tokens, rounded up without forming n + page_tokens - 1 (n may be
     // near the Index maximum).
-    const Index needed = n / layout_.page_tokens + (n % layout_.page_tokens != 0 ? 1 : 0);
+    const Index needed =
+        n / layout_.page_tokens + (n % layout_.page_tokens != 0 ? 1 : 0) - dropped_;
     if (needed <= pages()) return;
     if (needed > pool_->max_pages()) {
       throw pool_exhausted("PagePool (" + pool_->layout() + "): " + std::to_string(n) +
@@ -139,7 +184,7 @@ class PagedRows {
     // Shared pages among those written must be copied first. Pages past the table's
     // end do not exist yet; reserve makes them private.
     std::vector<std::pair<Index, Index>> copies;  // (table slot, new page)
-    for (Index slot = first_page; slot <= last_page && slot < pages(); ++slot) {
+    for (Index slot = slot_of(first_page); slot <= slot_of(last_page) && slot < pages(); ++slot) {
       if (pool_->use_count(table_[static_cast<std::size_t>(slot)]) > 1)
         copies.emplace_back(slot, -1);
     }
@@ -166,17 +211,43 @@ class PagedRows {
     return reinterpret_cast<S*>(const_cast<std::byte*>(address(block, t)));
   }
 
-  void commit(Index n) noexcept { tokens_ += n; }
+  /// Counts n written tokens, then returns the pages the retention no longer holds.
+  void commit(Index n) noexcept {
+    tokens_ += n;
+    if (retention_.keep == 0) return;
+    first_kept_ = std::max({first_kept_, retention_.sink_tokens, tokens_ - retention_.keep});
+    // Pages [sink_pages_ + dropped_, first_kept_ / page_tokens) hold no kept token.
+    const Index droppable = first_kept_ / layout_.page_tokens - sink_pages_ - dropped_;
+    if (droppable <= 0) return;
+    const auto first = table_.begin() + static_cast<std::ptrdiff_t>(sink_pages_);
+    for (auto it = first; it != first + static_cast<std::ptrdiff_t>(droppable); ++it)
+      pool_->release(*it);
+    table_.erase(first, first + static_cast<std::ptrdiff_t>(droppable));  // no allocation
+    dropped_ += droppable;
+  }
+
+  /// Whether truncate(n) keeps every token a query at position n sees (its sink tokens
+  /// and its window of `window` tokens): always without a retention.
+  bool can_truncate(Index n, Index window) const {
+    if (retention_.keep == 0 || n <= retention_.sink_tokens) return true;
+    return std::max(Index{0}, n - window + 1) >= first_kept_ ||
+           first_kept_ <= retention_.sink_tokens;
+  }
 
   /// Rolls back to n tokens, returning the pages past them to the pool.
   void truncate(Index n) noexcept {
     tokens_ = n;
-    release_from((n + layout_.page_tokens - 1) / layout_.page_tokens);
+    release_from(slot_of((n + layout_.page_tokens - 1) / layout_.page_tokens));
+    if (pages() <= sink_pages_) dropped_ = 0;  // no window page left
+    first_kept_ = std::min(first_kept_, n);
   }
 
  private:
+  // The block table slot of the sequence's page number `page` (held or past the end).
+  Index slot_of(Index page) const { return page < sink_pages_ ? page : page - dropped_; }
+
   const std::byte* address(Index block, Index t) const {
-    const Index page = table_[static_cast<std::size_t>(t / layout_.page_tokens)];
+    const Index page = table_[static_cast<std::size_t>(slot_of(t / layout_.page_tokens))];
     const PageBlock& b = layout_.blocks[static_cast<std::size_t>(block)];
     return pool_->data(page) + b.offset +
            static_cast<std::size_t>(t % layout_.page_tokens) * static_cast<std::size_t>(b.width) *
@@ -192,6 +263,10 @@ class PagedRows {
   std::shared_ptr<PagePool> pool_;
   PageLayout layout_;
   std::vector<Index> table_;
+  TokenRetention retention_;
+  Index sink_pages_ = 0;  // pages holding sink tokens (kept forever; 0 without retention)
+  Index dropped_ = 0;     // pages after the sink pages returned to the pool
+  Index first_kept_ = 0;  // see held_tokens()
   Index tokens_ = 0;
 };
 

@@ -45,19 +45,6 @@ constexpr void check_attention_span(const char* where, Index window, Index sink_
   }
 }
 
-/// Throws config_error unless the config uses global attention with plain logits: the
-/// factored layers' kernels do not compute windows, sink tokens, sink logits or
-/// soft-capping yet (reference::forward does).
-template <class Config>
-void require_plain_span(const Config& c, const char* where) {
-  if (c.window != 0 || c.sink_tokens != 0 || c.sink_logits || c.logit_softcap != 0.0) {
-    fail_config(where, ": window (", c.window, "), sink_tokens (", c.sink_tokens,
-                "), sink_logits (", c.sink_logits, ") and logit_softcap (", c.logit_softcap,
-                ") are computed by reference::forward only so far; the factored prefill, decode "
-                "and attend need all of them off");
-  }
-}
-
 /// The one softmax-scale rule: the explicit scale when set (> 0), else
 /// factor / sqrt(width), where width is the width of the dotted query/key vectors.
 inline double softmax_scale_or_default(double softmax_scale, Index width, double factor = 1.0) {

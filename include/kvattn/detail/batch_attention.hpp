@@ -24,6 +24,7 @@
 #include "kvattn/core/softmax_states.hpp"
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/attention_span.hpp"
 #include "kvattn/detail/packet_ops.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
@@ -51,10 +52,13 @@ struct BatchScratch {
   Index segment = 0;  // see SplitPlan::segment
   Index width = 0;    // accumulator width
   int threads = 1;
-  RowMatrix<T> scores;    // threads*max_rows x logits stride
-  RowVector<T> max, sum;  // slots
-  RowMatrix<T> acc;       // slots x width
-  Index final_rows = 0;   // output rows, each merged from the units that cover it
+  double softcap = 0.0;      // see SplitPlan::softcap
+  const T* sinks = nullptr;  // a sink logit per head (nullptr: none); final row r is head
+  Index heads = 1;           //   r % heads
+  RowMatrix<T> scores;       // threads*max_rows x logits stride
+  RowVector<T> max, sum;     // slots
+  RowMatrix<T> acc;          // slots x width
+  Index final_rows = 0;      // output rows, each merged from the units that cover it
   RowVector<T> final_max, final_sum;
   RowMatrix<T> final_acc;
 
@@ -99,13 +103,19 @@ struct BatchScratch {
 /// prefix range, which carries every sequence's query rows (B times a sequence unit's
 /// arithmetic per token), is also cut into at least 2 x threads pieces of at least four
 /// tiles, so that with one group (MQA, MLA) it is not one thread's work while the others
-/// wait. Allocates only when the unit list outgrows its capacity.
+/// wait. With a sliding window (span.window > 0; prefix must be 0) a sequence's units
+/// cover only the tokens its new token sees: its sink tokens and its window. Allocates
+/// only when the unit list outgrows its capacity.
 template <class Cache>
 void plan_batch_units(std::vector<BatchUnit>& units, Index& slot, std::span<Cache* const> caches,
-                      Index prefix, Index groups, Index rows, Index tile, int threads) {
+                      Index prefix, Index groups, Index rows, Index tile, int threads,
+                      const AttentionSpan& span = {}) {
   const Index batch = static_cast<Index>(caches.size());
   double total = static_cast<double>(prefix);
-  for (const Cache* cache : caches) total += static_cast<double>(cache->tokens() + 1 - prefix);
+  for (const Cache* cache : caches) {
+    total +=
+        static_cast<double>(visible_tokens(span, cache->sequence_length() + 1).count() - prefix);
+  }
   total *= static_cast<double>(groups);
   const Index sources = batch + (prefix > 0 ? 1 : 0);
   Index chunk = std::numeric_limits<Index>::max();
@@ -135,9 +145,13 @@ void plan_batch_units(std::vector<BatchUnit>& units, Index& slot, std::span<Cach
       add(batch, g, 0, prefix, batch * rows, g * rows, rows, groups * rows);
   }
   for (Index s = 0; s < batch; ++s) {
-    const Index length = caches[static_cast<std::size_t>(s)]->tokens() + 1;
+    const auto visible =
+        visible_tokens(span, caches[static_cast<std::size_t>(s)]->sequence_length() + 1);
     for (Index g = 0; g < groups; ++g) {
-      add(s, g, prefix, length, rows, (s * groups + g) * rows, rows, 0);
+      if (visible.sink_end > 0)
+        add(s, g, 0, visible.sink_end, rows, (s * groups + g) * rows, rows, 0);
+      add(s, g, std::max(prefix, visible.window_begin), visible.length, rows,
+          (s * groups + g) * rows, rows, 0);
     }
   }
 }
@@ -159,10 +173,10 @@ Index checked_shared_prefix(const char* where, std::span<Cache* const> caches, I
   } else {
     for (std::size_t s = 0; s < caches.size(); ++s) {
       const Cache& cache = *caches[s];
-      if (prefix > cache.tokens()) {
+      if (prefix > cache.sequence_length()) {
         throw shape_error(std::string(where) + ": shared_prefix (" + std::to_string(prefix) +
                           ") exceeds caches[" + std::to_string(s) + "]'s " +
-                          std::to_string(cache.tokens()) + " tokens");
+                          std::to_string(cache.sequence_length()) + " tokens");
       }
       if (!cache.shares_prefix(*caches[0], prefix)) {
         throw config_error(std::string(where) + ": caches[" + std::to_string(s) +
@@ -189,8 +203,9 @@ void run_batch(BatchScratch<T>& scratch, const OpsOf& ops_of) {
   auto run_unit = [&](Index k, int thread) {
     const BatchUnit& u = scratch.units[static_cast<std::size_t>(k)];
     T* logits = scratch.scores.data() + Index{thread} * most_rows * ld;
-    attend_range(ops_of(u.source), u.group, u.first, u.last, scratch.tile, scratch.segment, u.rows,
-                 width, logits, ld, scratch.max.data() + u.slot, scratch.sum.data() + u.slot,
+    attend_range(ops_of(u.source), u.group, u.first, u.last, scratch.tile, scratch.segment,
+                 static_cast<T>(scratch.softcap), u.rows, width, logits, ld,
+                 scratch.max.data() + u.slot, scratch.sum.data() + u.slot,
                  scratch.acc.data() + u.slot * width);
   };
 #ifdef _OPENMP
@@ -216,10 +231,15 @@ void run_batch(BatchScratch<T>& scratch, const OpsOf& ops_of) {
   }
 }
 
-/// Final row r's normalized attention into out + r * width (rows without keys: zeros).
+/// Final row r's normalized attention into out + r * width (rows without keys: zeros),
+/// with the head's sink logit folded in once (scratch.sinks).
 template <class T>
-void finish_batch(const BatchScratch<T>& scratch, T* out) {
+void finish_batch(BatchScratch<T>& scratch, T* out) {
   for (Index r = 0; r < scratch.final_rows; ++r) {
+    if (scratch.sinks != nullptr) {
+      add_sink_logit(scratch.sinks[r % scratch.heads], scratch.final_max(r), scratch.final_sum(r),
+                     scratch.final_acc.row(r).data(), scratch.width);
+    }
     finish_state_row(scratch.final_max(r), scratch.final_sum(r), scratch.final_acc.row(r).data(),
                      out + r * scratch.width, scratch.width);
   }

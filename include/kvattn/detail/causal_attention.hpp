@@ -18,6 +18,7 @@
 #include <limits>
 
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/attention_span.hpp"
 
 namespace kvattn::detail {
 
@@ -25,7 +26,7 @@ namespace kvattn::detail {
 inline constexpr Index kPrefillTile = 64;
 
 /// The shape of one causal attention: query i (0-based among the new tokens) sits at
-/// cache index past + i and sees keys 0 ... past + i.
+/// cache index past + i and sees keys 0 ... past + i (within span's window and sinks).
 struct CausalShape {
   Index past = 0;          // cached tokens before the first query
   Index split = 0;         // key index no tile straddles (0: none)
@@ -33,6 +34,7 @@ struct CausalShape {
   Index buffer_width = 0;  // scratch scalars per key row of a tile (0: none)
   Index segment = 0;       // key tiles before `split` never cross a multiple of it: the
                            // pages of a paged cache (0: contiguous)
+  AttentionSpan span;      // window, sink tokens and soft-cap (default: plain causal)
 };
 
 /// One thread's scratch; fit() allocates, the driver never does.
@@ -55,73 +57,100 @@ struct CausalScratch {
 
 /// Queries q0 ... q0 + nq - 1 (nq <= kPrefillTile) against every key they see, with an
 /// online softmax; writes the normalized result to out (nq rows of acc_width, row
-/// stride out_stride). Never allocates (scratch.fit(shape) must have run).
+/// stride out_stride), with the sink logit `*sink` (nullptr: none) in each row's
+/// denominator. Key tiles that no row sees (before the window of the first row, past
+/// the sink tokens) are skipped, and no tile straddles the end of the sink tokens, so
+/// within a tile each row sees one run of keys [lo, hi). Never allocates
+/// (scratch.fit(shape) must have run).
 template <class T, class Ops>
 void causal_query_tile(const CausalShape& shape, CausalScratch<T>& scratch, const Ops& ops,
-                       Index q0, Index nq, T* out, Index out_stride) {
+                       Index q0, Index nq, T* out, Index out_stride, const T* sink = nullptr) {
   constexpr Index tile = kPrefillTile;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const AttentionSpan& span = shape.span;
   auto& acc = scratch.acc;
   auto& running_max = scratch.running_max;
   auto& normalizer = scratch.normalizer;
   auto& rescale = scratch.rescale;
   T* buffer = shape.buffer_width > 0 ? scratch.buffer.data() : nullptr;
   const Index width = shape.acc_width;
-  const Index key_end = shape.past + q0 + nq;  // keys visible to the tile's last row
+  const Index first_query = shape.past + q0;  // position of row 0
+  const Index key_end = first_query + nq;     // keys visible to the tile's last row
+  const Index sink_end = span.window > 0 ? std::min(span.sink_tokens, key_end) : 0;
+  const T softcap = static_cast<T>(span.softcap);
   acc.topRows(nq).setZero();
   running_max.head(nq).setConstant(neg_inf);
   normalizer.head(nq).setZero();
-  Index k0 = 0;
-  while (k0 < key_end) {
-    Index nk = std::min(tile, key_end - k0);
-    if (k0 < shape.split) nk = std::min(nk, shape.split - k0);
-    if (k0 < shape.split && shape.segment > 0)
-      nk = std::min(nk, shape.segment - k0 % shape.segment);
-    T* s = scratch.scores.data();
-    ops.score(q0, nq, k0, nk, s, tile, buffer);
-    for (Index r = 0; r < nq; ++r) {
-      T* row = s + r * tile;
-      const Index visible = shape.past + q0 + r - k0 + 1;  // keys k0 ... past+q0+r
-      T row_max = neg_inf;
-      for (Index c = 0; c < nk; ++c) {
-        if (c < visible) {
-          row_max = std::max(row_max, row[c]);
-        } else {
-          row[c] = neg_inf;
+  // Row r's visible keys among k0 ... k0 + nk - 1, as columns [lo, hi).
+  auto visible_run = [&](Index r, Index k0, Index nk, Index& lo, Index& hi) {
+    const Index position = first_query + r;
+    hi = std::min(nk, position - k0 + 1);
+    lo = k0 >= sink_end ? std::max<Index>(0, span.window_begin(position) - k0) : 0;
+  };
+  auto attend_keys = [&](Index k0, Index end) {
+    while (k0 < end) {
+      Index nk = std::min(tile, end - k0);
+      if (k0 < shape.split) nk = std::min(nk, shape.split - k0);
+      if (k0 < shape.split && shape.segment > 0)
+        nk = std::min(nk, shape.segment - k0 % shape.segment);
+      T* s = scratch.scores.data();
+      ops.score(q0, nq, k0, nk, s, tile, buffer);
+      bool whole_tile = true;  // every row sees every key of the tile
+      for (Index r = 0; r < nq; ++r) {
+        T* row = s + r * tile;
+        Index lo = 0, hi = 0;
+        visible_run(r, k0, nk, lo, hi);
+        whole_tile = whole_tile && lo == 0 && hi == nk;
+        if (softcap > T(0) && hi > lo) cap_logits(row + lo, hi - lo, softcap);
+        T row_max = neg_inf;
+        for (Index c = 0; c < nk; ++c) {
+          if (c >= lo && c < hi) {
+            row_max = std::max(row_max, row[c]);
+          } else {
+            row[c] = neg_inf;
+          }
+        }
+        const T new_max = std::max(running_max(r), row_max);
+        if (new_max == neg_inf) {  // no visible key in this tile yet
+          rescale(r) = T(1);
+          for (Index c = 0; c < nk; ++c) row[c] = T(0);
+          continue;
+        }
+        rescale(r) = std::exp(running_max(r) - new_max);  // exp(-inf) = 0
+        T row_sum = 0;
+        for (Index c = 0; c < nk; ++c) {
+          row[c] = std::exp(row[c] - new_max);
+          row_sum += row[c];
+        }
+        normalizer(r) = normalizer(r) * rescale(r) + row_sum;
+        running_max(r) = new_max;
+      }
+      for (Index r = 0; r < nq; ++r) acc.row(r) *= rescale(r);
+      if (whole_tile) {
+        ops.accumulate(q0, nq, k0, nk, s, tile, acc.data(), width, buffer);
+      } else {
+        // Row r reads only its visible values: a masked weight is 0, but 0 * (a NaN in an
+        // invisible token's value) would still leak into row r.
+        for (Index r = 0; r < nq; ++r) {
+          Index lo = 0, hi = 0;
+          visible_run(r, k0, nk, lo, hi);
+          if (hi <= lo) continue;
+          ops.accumulate(q0 + r, 1, k0 + lo, hi - lo, s + r * tile + lo, tile,
+                         acc.data() + r * width, width, buffer);
         }
       }
-      const T new_max = std::max(running_max(r), row_max);
-      if (new_max == neg_inf) {  // no visible key in this tile yet
-        rescale(r) = T(1);
-        for (Index c = 0; c < nk; ++c) row[c] = T(0);
-        continue;
-      }
-      rescale(r) = std::exp(running_max(r) - new_max);  // exp(-inf) = 0
-      T row_sum = 0;
-      for (Index c = 0; c < nk; ++c) {
-        row[c] = std::exp(row[c] - new_max);
-        row_sum += row[c];
-      }
-      normalizer(r) = normalizer(r) * rescale(r) + row_sum;
-      running_max(r) = new_max;
+      k0 += nk;
     }
-    for (Index r = 0; r < nq; ++r) acc.row(r) *= rescale(r);
-    if (k0 + nk <= shape.past + q0 + 1) {  // every key of the tile is visible to every row
-      ops.accumulate(q0, nq, k0, nk, s, tile, acc.data(), width, buffer);
-    } else {
-      // On the diagonal, row r reads only its visible values: a masked weight is 0, but
-      // 0 * (a NaN in a later token's value) would still leak into row r.
-      for (Index r = 0; r < nq; ++r) {
-        const Index visible = std::min(nk, shape.past + q0 + r - k0 + 1);
-        if (visible <= 0) continue;
-        ops.accumulate(q0 + r, 1, k0, visible, s + r * tile, tile, acc.data() + r * width, width,
-                       buffer);
-      }
-    }
-    k0 += nk;
-  }
-  // Every query sees at least itself, so the normalizer is >= 1.
+  };
+  // The sink tokens, then the keys from the first row's window on (everything without
+  // a window).
+  attend_keys(0, sink_end);
+  attend_keys(std::max(sink_end, span.window_begin(first_query)), key_end);
   for (Index r = 0; r < nq; ++r) {
+    if (sink != nullptr) {
+      add_sink_logit(*sink, running_max(r), normalizer(r), acc.row(r).data(), width);
+    }
+    // Every query sees at least itself, so the normalizer is >= 1.
     Eigen::Map<RowVector<T>>(out + r * out_stride, width) = acc.row(r) / normalizer(r);
   }
 }

@@ -46,12 +46,25 @@ Index cache_segment(const Cache& cache) {
   }
 }
 
-/// How many of the cached rows t, t+1, ... lie contiguously in memory (up to tokens()).
+/// Whether the cache still holds token t's rows (a windowed paged cache returns the pages
+/// its window has passed).
+template <class Cache>
+bool cache_holds(const Cache& cache, Index t) {
+  if constexpr (requires { cache.holds(t); }) {
+    return cache.holds(t);
+  } else {
+    return t >= 0 && t < cache.sequence_length();
+  }
+}
+
+/// How many of the cached rows t, t+1, ... lie contiguously in memory (up to the
+/// sequence's end; 0 when t is not held).
 template <class Cache>
 Index contiguous_rows(const Cache& cache, Index t) {
+  if (!cache_holds(cache, t)) return 0;
   const Index segment = cache_segment(cache);
-  const Index end =
-      segment > 0 ? std::min(cache.tokens(), (t / segment + 1) * segment) : cache.tokens();
+  const Index end = segment > 0 ? std::min(cache.sequence_length(), (t / segment + 1) * segment)
+                                : cache.sequence_length();
   return std::max<Index>(0, end - t);
 }
 

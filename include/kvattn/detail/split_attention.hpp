@@ -22,6 +22,7 @@
 
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/attention_span.hpp"
 #include "kvattn/detail/packet_ops.hpp"
 
 namespace kvattn::detail {
@@ -38,6 +39,10 @@ struct SplitPlan {
   int threads = 1;         // threads of the parallel region
   Index segment = 0;       // rows are contiguous within aligned runs of this many tokens
                            // (a paged cache's page_tokens; 0: the whole cache)
+  // The tokens the newest token's query sees (sliding window and sink tokens; all
+  // `length` without a window) and the soft-cap of its logits (0: off).
+  VisibleTokens visible;
+  double softcap = 0.0;
   // What the scratch is sized for: the most splits and threads this thread count can
   // ever use, whatever the length, so a growing sequence never reallocates.
   Index max_splits = 1;
@@ -53,14 +58,23 @@ struct SplitPlan {
   }
 };
 
-/// Splits the sequence only when groups alone cannot keep every thread busy, and
+/// Splits the visible tokens only when groups alone cannot keep every thread busy, and
 /// never into ranges shorter than a few tiles (the merge is not free).
 inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index length, Index tile,
-                            Index buffer_width, int threads) {
-  SplitPlan plan{groups, rows, acc_width, length, tile, buffer_width, 1, std::max(threads, 1)};
+                            Index buffer_width, int threads, const AttentionSpan& span = {}) {
+  SplitPlan plan;
+  plan.groups = groups;
+  plan.rows = rows;
+  plan.acc_width = acc_width;
+  plan.length = length;
+  plan.tile = tile;
+  plan.buffer_width = buffer_width;
+  plan.threads = std::max(threads, 1);
+  plan.visible = visible_tokens(span, length);
+  plan.softcap = span.softcap;
   if (plan.threads > 1 && groups < plan.threads) {
     plan.max_splits = (plan.threads + groups - 1) / groups;
-    const Index by_length = std::max<Index>(1, length / (4 * tile));
+    const Index by_length = std::max<Index>(1, plan.visible.count() / (4 * tile));
     plan.splits = std::min(plan.max_splits, by_length);
   }
   plan.max_threads = plan.threads;
@@ -145,18 +159,16 @@ inline void softmax_tile_row(T* s, Index n_pad, T& max, T& sum, T* acc, Index wi
   if (std::isnan(sum) && max == neg_inf) max = T(0);
 }
 
-/// The partial softmax state (max, sum: `rows` each; acc: rows x width, row-major) of
-/// one group's query rows over tokens [first, last), tile by tile: `ops.score`, the tile
-/// softmax, `ops.accumulate`. Tiles never cross a multiple of `segment` (0: no limit),
-/// so a tile's rows are contiguous in a paged cache. `logits` holds rows x ld scalars.
+/// Continues the partial softmax state (max, sum: `rows` each; acc: rows x width,
+/// row-major) of one group's query rows with tokens [first, last), tile by tile:
+/// `ops.score`, the soft-cap (softcap > 0), the tile softmax, `ops.accumulate`. Tiles
+/// never cross a multiple of `segment` (0: no limit), so a tile's rows are contiguous in
+/// a paged cache. `logits` holds rows x ld scalars.
 template <class T, class Ops>
-void attend_range(const Ops& ops, Index group, Index first, Index last, Index tile, Index segment,
-                  Index rows, Index width, T* logits, Index ld, T* max, T* sum, T* acc) {
+void attend_tiles(const Ops& ops, Index group, Index first, Index last, Index tile, Index segment,
+                  T softcap, Index rows, Index width, T* logits, Index ld, T* max, T* sum, T* acc) {
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   constexpr Index P = packet_size<T>;
-  Eigen::Map<RowVector<T>>(max, rows).setConstant(neg_inf);
-  Eigen::Map<RowVector<T>>(sum, rows).setZero();
-  Eigen::Map<RowMatrix<T>>(acc, rows, width).setZero();
   for (Index t0 = first; t0 < last;) {
     Index n = std::min(tile, last - t0);
     if (segment > 0) n = std::min(n, segment - t0 % segment);
@@ -164,6 +176,7 @@ void attend_range(const Ops& ops, Index group, Index first, Index last, Index ti
     ops.score(group, t0, n, logits, ld);
     for (Index i = 0; i < rows; ++i) {
       T* s = logits + i * ld;
+      if (softcap > T(0)) cap_logits(s, n, softcap);
       std::fill(s + n, s + n_pad, neg_inf);
       softmax_tile_row(s, n_pad, max[i], sum[i], acc + i * width, width);
     }
@@ -172,26 +185,54 @@ void attend_range(const Ops& ops, Index group, Index first, Index last, Index ti
   }
 }
 
-/// Runs the plan and writes each group's normalized attention (groups*rows x
-/// acc_width, row stride acc_width) to `out`. scratch.fit(plan) must have run.
+/// The partial softmax state of one group's query rows over tokens [first, last) alone
+/// (see attend_tiles).
 template <class T, class Ops>
-void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops& ops, T* out) {
+void attend_range(const Ops& ops, Index group, Index first, Index last, Index tile, Index segment,
+                  T softcap, Index rows, Index width, T* logits, Index ld, T* max, T* sum, T* acc) {
+  Eigen::Map<RowVector<T>>(max, rows).setConstant(-std::numeric_limits<T>::infinity());
+  Eigen::Map<RowVector<T>>(sum, rows).setZero();
+  Eigen::Map<RowMatrix<T>>(acc, rows, width).setZero();
+  attend_tiles(ops, group, first, last, tile, segment, softcap, rows, width, logits, ld, max, sum,
+               acc);
+}
+
+/// Runs the plan and writes each group's normalized attention (groups*rows x
+/// acc_width, row stride acc_width) to `out`. `sinks` (or nullptr) holds a sink logit
+/// per output row (group * rows + i), folded in once after the splits are merged.
+/// scratch.fit(plan) must have run.
+template <class T, class Ops>
+void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops& ops, T* out,
+                     const T* sinks = nullptr) {
   using RowMap = Eigen::Map<RowVector<T>>;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const Index rows = plan.rows;
   const Index width = plan.acc_width;
   const Index splits = plan.splits;
-  const Index per_split = (plan.length + splits - 1) / splits;
+  const VisibleTokens& visible = plan.visible;
+  const Index count = visible.count();
+  const Index per_split = (count + splits - 1) / splits;
   const Index ld = plan.logits_stride<T>();
+  const T softcap = static_cast<T>(plan.softcap);
 
+  // A unit's share of the visible tokens, [v0, v1) in visible order, may cover part of the
+  // sink tokens and part of the window: one range of tokens each, one running state.
   auto run_unit = [&](Index unit, int thread) {
     const Index group = unit / splits;
-    const Index first = std::min(plan.length, (unit % splits) * per_split);
-    const Index last = std::min(plan.length, first + per_split);
+    const Index v0 = std::min(count, (unit % splits) * per_split);
+    const Index v1 = std::min(count, v0 + per_split);
     T* logits = scratch.scores.data() + thread * rows * ld;
-    attend_range(ops, group, first, last, plan.tile, plan.segment, rows, width, logits, ld,
-                 scratch.max.data() + unit * rows, scratch.sum.data() + unit * rows,
-                 scratch.acc.data() + unit * rows * width);
+    T* max = scratch.max.data() + unit * rows;
+    T* sum = scratch.sum.data() + unit * rows;
+    T* acc = scratch.acc.data() + unit * rows * width;
+    const Index sink_last = std::min(v1, visible.sink_end);
+    attend_range(ops, group, v0, std::max(v0, sink_last), plan.tile, plan.segment, softcap, rows,
+                 width, logits, ld, max, sum, acc);
+    const Index w0 = std::max(v0, visible.sink_end);
+    if (w0 < v1) {
+      attend_tiles(ops, group, visible.token(w0), visible.token(v1 - 1) + 1, plan.tile,
+                   plan.segment, softcap, rows, width, logits, ld, max, sum, acc);
+    }
   };
 
 #ifdef _OPENMP
@@ -213,9 +254,11 @@ void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops&
       for (Index s = 0; s < splits; ++s) {
         total_max = std::max(total_max, scratch.max((group * splits + s) * rows + i));
       }
+      const T sink = sinks != nullptr ? sinks[group * rows + i] : neg_inf;
+      total_max = std::max(total_max, sink);
       result.setZero();
       if (total_max == neg_inf) continue;  // no visible key: the zero vector, as softmax
-      T denominator = 0;
+      T denominator = sink != neg_inf ? std::exp(sink - total_max) : T(0);
       for (Index s = 0; s < splits; ++s) {
         const Index slot = (group * splits + s) * rows + i;
         const T m = scratch.max(slot);
