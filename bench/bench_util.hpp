@@ -55,6 +55,7 @@ void register_mla();
 void register_lrkv();
 void register_prefill();
 void register_serving();
+void register_window();
 
 // ---- Limits: read-only pass and dense GEMM -------------------------------------------
 

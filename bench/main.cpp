@@ -69,6 +69,11 @@
 //   (Smoke mode: pages of 16 tokens; decode_batch at B = 3 with 16 ... 64 tokens;
 //   decode_shared with a 32-token prompt and 16 tokens each; each compared with the
 //   separate decode calls, or decode_paged with the contiguous cache.)
+//   decode_window/<mech>/W:4096/L:65536/T:<T>   layer.attend with config.window = 4,096
+//       over a paged cache (pages of 256 tokens) that 65,536 tokens went through and
+//       that holds the last 4,096 of them (docs/serving.md § Windows). Untimed after each
+//       step: the global layer's attend over a contiguous cache of 4,096 tokens (what
+//       decode/<mech>/L:4096 times). Counter vs_decode_W. (Smoke mode: W:16 of 64.)
 //
 // COUNTERS (every benchmark above; "step" = one timed iteration)
 //   bytes             bytes the step must read: the cache (cache_bytes) plus the
@@ -131,6 +136,8 @@
 //                     sequence (the same threads and caches) / the batch step's; > 1 =
 //                     the batch is faster.
 //   vs_unshared       (decode_shared) decode_batch without the shared prefix / with it.
+//   vs_decode_W       (decode_window) global attend over a contiguous cache of W tokens /
+//                     the windowed step over L tokens (>= 0.9: the cost follows the window).
 //   roofline_ratio    (decode_shared) the separate calls' roofline time over the shared
 //                     step's: max(bytes / bw_ref, flops / flop_ref) of each, the separate
 //                     calls reading every sequence's cache and every weight B times: the
@@ -193,6 +200,7 @@ int main(int argc, char** argv) {
   kvb::register_lrkv();
   kvb::register_prefill();
   kvb::register_serving();
+  kvb::register_window();
   kvb::calibrate_gemm();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -55,8 +55,8 @@ struct GqaMech {
   /// Appends the pool's rows cyclically until `cache` (contiguous or paged) holds L tokens.
   template <class C>
   void fill(C& cache, Index L, const Pool& pool) const {
-    while (cache.tokens() < L) {
-      const Index n = std::min(pool.keys.rows(), L - cache.tokens());
+    while (cache.sequence_length() < L) {
+      const Index n = std::min(pool.keys.rows(), L - cache.sequence_length());
       cache.append(pool.keys.topRows(n), pool.values.topRows(n));
     }
   }

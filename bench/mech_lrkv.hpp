@@ -69,8 +69,8 @@ struct LrkvMech {
   /// Appends the pool's rows cyclically until `cache` (contiguous or paged) holds L tokens.
   template <class C>
   void fill(C& cache, Index L, const Pool& pool) const {
-    while (cache.tokens() < L) {
-      const Index n = std::min(pool.shared_keys.rows(), L - cache.tokens());
+    while (cache.sequence_length() < L) {
+      const Index n = std::min(pool.shared_keys.rows(), L - cache.sequence_length());
       cache.append({pool.shared_keys.topRows(n), pool.shared_values.topRows(n),
                     pool.residual_keys.topRows(n), pool.residual_values.topRows(n),
                     pool.rope_keys.topRows(n), pool.key_rms.topRows(n)});

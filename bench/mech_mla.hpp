@@ -57,8 +57,8 @@ struct MlaMech {
   /// Appends the pool's rows cyclically until `cache` (contiguous or paged) holds L tokens.
   template <class C>
   void fill(C& cache, Index L, const Pool& pool) const {
-    while (cache.tokens() < L) {
-      const Index n = std::min(pool.latent.rows(), L - cache.tokens());
+    while (cache.sequence_length() < L) {
+      const Index n = std::min(pool.latent.rows(), L - cache.sequence_length());
       cache.append(pool.latent.topRows(n), pool.rope_keys.topRows(n));
     }
   }

@@ -118,6 +118,12 @@ TEST_CASE("totals: layers x sequence x batch, sliding windows, pages", "[analysi
   CHECK(cached_tokens(5000, 4096, 0) == 4096);
   // Every layer a window layer.
   CHECK(total_elements(g, {4, 4, 8}, {100, 1}) == 256 * 4 * 8);
+  // Window layers with 4 sink tokens and 6 tokens kept for rollback: 4 + 100 + 6 = 110.
+  CHECK(LayerStack{10, 5, 100, 4, 6}.window_keeps() == 110);
+  CHECK(total_elements(g, {10, 5, 100, 4, 6}, {1000, 3}) == 3 * 256 * (5 * 1000 + 5 * 110));
+  CHECK(total_elements(g, {10, 5, 100, 4, 6}, {105, 1}) == 256 * 10 * 105);  // all kept
+  // In pages of 16: ceil(110 / 16) = 7 pages, 112 slots.
+  CHECK(total_elements(g, {10, 5, 100, 4, 6}, {1000, 1, 16}) == 256 * (5 * 1008 + 5 * 112));
   // Block scales are counted per token slot too.
   CHECK(total_bytes(g, block_scaled_storage(Dtype::fp8_e4m3, 64), {2}, {10, 1}) ==
         (256 + 4 * 4) * 2 * 10);
@@ -209,6 +215,12 @@ TEST_CASE("bad input throws with a message naming the field", "[analysis][reliab
                     "LayerStack: window_layers (5) must be in [0, layers]");
   CHECK_THROWS_WITH(total_elements(g, {4, 2, 0}, {}),
                     "LayerStack: window (0) must be >= 1 when there are sliding-window layers");
+  CHECK_THROWS_WITH(total_elements(g, {4, 2, 8, -1}, {}),
+                    "LayerStack: sink_tokens (-1) must be >= 0");
+  CHECK_THROWS_WITH(total_elements(g, {4, 2, 8, 0, -2}, {}),
+                    "LayerStack: max_rollback (-2) must be >= 0");
+  CHECK_THROWS_WITH(total_elements(g, {4, 0, 0, 3}, {}),
+                    Catch::Contains("sink_tokens / max_rollback (3) need sliding-window layers"));
   CHECK_THROWS_WITH(total_elements(g, {4}, {10, 0}), "Workload: batch (0) must be >= 1");
   CHECK_THROWS_WITH(total_elements(g, {4}, {-1, 1}), "Workload: seq_len (-1) must be >= 0");
   CHECK_THROWS_WITH(total_elements(g, {4}, {10, 1, -16}),

@@ -511,6 +511,8 @@ TEST_CASE("kvcalc: every bad input exits non-zero with one line", "[kvcalc][reli
             "GQA cannot run at --tp 4: tensor parallelism: tp (4) must divide n_kv_heads");
   check_bad({"--layers", "5", "--window-layers", "10"}, "--window-layers 10 must be <= --layers 5");
   check_bad({"--window-layers", "10"}, "needs --window W");
+  check_bad({"--sink-tokens", "4"}, "--sink-tokens needs --window W");
+  check_bad({"--max-rollback", "4"}, "--max-rollback needs --window W");
   check_bad({"--seq-len", "9007199254740992", "--batch", "9007199254740992"},
             "too large to represent");
   check_bad({"--svg", (scratch_dir() / "missing" / "x.svg").string()}, "cannot be written");
@@ -880,4 +882,54 @@ TEST_CASE("kvcalc --page-size: the bytes of real paged caches filled by prefill"
                            "--dtype", "bf16", "--seq-len", "100", "--batch", "3", "--page-size",
                            "64", "--mechanism", "GQA"});
   CHECK(row(j, "GQA").at("total_bytes") == 3 * 128 * 128);
+}
+
+TEST_CASE("kvcalc --window --sink-tokens --max-rollback: the bytes of real windowed caches",
+          "[kvcalc][analysis][window]") {
+  // Real caches of the configs' shapes, filled past the window with raw rows (the bytes
+  // do not depend on the values): a windowed cache (paged, bounded) per window layer and
+  // a contiguous one per global layer. kvcalc's total for the whole model must equal the
+  // summed bytes() times the layers of each kind.
+  using Bf16 = Eigen::bfloat16;
+  auto fill = [](auto& cache, const kvattn::GqaConfig& c, kvattn::Index tokens) {
+    std::mt19937_64 rng(5);
+    const auto rows = kvattn::random_normal<float>(tokens, c.kv_width(), rng);
+    for (kvattn::Index t0 = 0; t0 < tokens; t0 += 1000) {  // in pieces, as a prefill would
+      const kvattn::Index n = std::min<kvattn::Index>(1000, tokens - t0);
+      cache.append(rows.middleRows(t0, n), rows.middleRows(t0, n));
+    }
+  };
+  SECTION("Mistral 7B: every layer a window of 4,096, with 4 sink tokens and 8 to roll back") {
+    const kvattn::Index length = 6000;
+    const json j = run_json({"--hf-config", data("mistral_7b.json"), "--seq-len", "6000",
+                             "--sink-tokens", "4", "--max-rollback", "8"});
+    CHECK(j.at("sink_tokens") == 4);
+    CHECK(j.at("max_rollback") == 8);
+    kvattn::GqaConfig c = kvattn::gqa_config(4096, 32, 128, 8);
+    c.window = 4096;
+    c.sink_tokens = 4;
+    auto pool = kvattn::make_gqa_page_pool<Bf16>(c, 16, 512);
+    kvattn::PagedGqaCache<float, Bf16> cache(c, pool, 8);
+    fill(cache, c, length);
+    REQUIRE(cache.sequence_length() == length);
+    CHECK(cache.tokens() == 4 + 4096 + 8);
+    CHECK(row(j, "GQA").at("total_bytes").get<std::size_t>() == 32 * cache.bytes());
+    // By hand: 4,108 tokens x 2 (K, V) x 8 heads x 128 x 2 bytes x 32 layers.
+    CHECK(row(j, "GQA").at("total_bytes") == 4108LL * 4096 * 32);
+  }
+  SECTION("Gemma 2 9B: a windowed (4,096) and a global layer, 21 of each, fp32") {
+    const kvattn::Index length = 5000;
+    const json j = run_json({"--hf-config", data("gemma2_9b.json"), "--seq-len", "5000"});
+    kvattn::GqaConfig global = kvattn::gqa_config(3584, 16, 256, 8);
+    kvattn::GqaConfig local = global;
+    local.window = 4096;
+    kvattn::GqaCache<float> global_cache(global);
+    auto pool = kvattn::make_gqa_page_pool<float>(local, 16, 512);
+    kvattn::PagedGqaCache<float> local_cache(local, pool);
+    fill(global_cache, global, length);
+    fill(local_cache, local, length);
+    CHECK(local_cache.tokens() == 4096);
+    CHECK(row(j, "GQA").at("total_bytes").get<std::size_t>() ==
+          21 * (global_cache.bytes() + local_cache.bytes()));
+  }
 }

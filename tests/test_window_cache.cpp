@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kvattn/analysis/cache_size.hpp"
@@ -227,4 +228,44 @@ TEST_CASE("max_rollback is validated; without a window nothing is dropped", "[wi
   CHECK(cache.sequence_length() == 100);
   cache.truncate(3);
   CHECK(cache.tokens() == 3);
+}
+
+TEST_CASE("decode_batch over windowed forks ignores shared_prefix and equals the reference",
+          "[window][cache][batch]") {
+  const auto layer = GqaLayer<double>::random(windowed(gqa_case()), 12);
+  const GqaConfig& c = layer.config();
+  const MatD x = random_input<double>(80, c.d_model, 13);
+  const MatD y = random_input<double>(80, c.d_model, 14);
+  auto pool = pool_for(c, 64);
+  auto first = paged_cache(c, pool, kRollback);
+  layer.prefill(x.topRows(60), first);
+  auto second = first;
+  layer.prefill(y.middleRows(60, 19), second);
+  layer.prefill(x.middleRows(60, 19), first);
+  std::vector<PagedGqaCache<double>*> caches{&first, &second};
+  MatD rows(2, c.d_model);
+  rows.row(0) = x.row(79);
+  rows.row(1) = y.row(79);
+  MatD out(2, c.d_model);
+  // The prompt's 60 tokens are not where either window is: a shared prefix cannot be read
+  // once for both, and is not used (nor checked).
+  layer.decode_batch(rows, std::span<PagedGqaCache<double>* const>(caches), out, Threads{2},
+                     BatchOptions{.shared_prefix = 60});
+  MatD xy = x;
+  xy.bottomRows(20) = y.bottomRows(20);
+  CHECK(relative_error(out.row(0), reference::forward(layer, x).bottomRows(1)) <= kExact);
+  CHECK(relative_error(out.row(1), reference::forward(layer, xy).bottomRows(1)) <= kExact);
+}
+
+TEST_CASE("reserve on a windowed cache takes at most a window's pages", "[window][cache]") {
+  const GqaConfig c = windowed(gqa_case());
+  auto pool = pool_for(c, kHeldPages + 1);
+  auto cache = paged_cache(c, pool, kRollback);
+  cache.reserve(1'000'000);  // a long generation: the window is what it will hold
+  CHECK(pool->pages_in_use() <= kHeldPages + 1);
+  CHECK(cache.tokens() == 0);
+  const auto layer = GqaLayer<double>::random(c, 3);
+  for (Index i = 0; i < 200; ++i) layer.decode(random_input<double>(1, c.d_model, i), cache);
+  CHECK(cache.sequence_length() == 200);
+  CHECK(pool->pages_in_use() <= kHeldPages);
 }

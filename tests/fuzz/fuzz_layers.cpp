@@ -1,5 +1,6 @@
 // Structured fuzz target: bytes -> a small bounded layer config (GQA/MHA/MQA, MLA or
-// LRKV; dimensions up to a few dozen, sometimes invalid on purpose) and a sequence of
+// LRKV; dimensions up to a few dozen, sometimes invalid on purpose; with a selector of
+// 3 ... 5, also a window, sink tokens, sink logits and a soft-cap) and a sequence of
 // calls (prefill — MLA's in the mode the input picks: automatic, expanded, absorbed, or
 // an invalid one that must be refused — decode, attend, truncate, append, reserve, and
 // wrongly shaped arguments) on it, with inputs and weights drawn from a seeded N(0, 1)
@@ -295,6 +296,20 @@ void run_calls(const Layer& layer, Bytes& in, std::uint64_t seed) {
   }
 }
 
+// The window fields from the input (when `spanned`): a window of 0 ... 40 tokens (0:
+// global), 0 ... 5 sink tokens (refused without a window), sink logits, and a soft-cap
+// (now and then a negative one, refused).
+template <class Config>
+Config with_span(Config c, Bytes& in, bool spanned) {
+  if (!spanned) return c;
+  c.window = in.in(0, 40);
+  c.sink_tokens = in.in(0, 5);
+  c.sink_logits = in.flag();
+  const unsigned cap = in.byte();
+  c.logit_softcap = cap >= 250 ? -1.0 : (cap % 2 == 0 ? 0.0 : 0.25 * static_cast<double>(cap % 40));
+  return c;
+}
+
 template <class Config, class Layer>
 void run_mechanism(const Config& config, Bytes& in) {
   const std::uint64_t seed = in.byte();
@@ -319,15 +334,19 @@ void run_mechanism(const Config& config, Bytes& in) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   Bytes in(data, size);
   try {
-    switch (in.in(0, 2)) {
+    // 0 ... 2: the mechanism; 3 ... 5: the same with a window, sink tokens, sink logits
+    // and a soft-cap from the input (so inputs from before these fields keep their meaning).
+    const Index pick = in.in(0, 5);
+    const bool spanned = pick >= 3;
+    switch (pick % 3) {
       case 0:
-        run_mechanism<GqaConfig, GqaLayer<double>>(gqa_of(in), in);
+        run_mechanism<GqaConfig, GqaLayer<double>>(with_span(gqa_of(in), in, spanned), in);
         break;
       case 1:
-        run_mechanism<MlaConfig, MlaLayer<double>>(mla_of(in), in);
+        run_mechanism<MlaConfig, MlaLayer<double>>(with_span(mla_of(in), in, spanned), in);
         break;
       default:
-        run_mechanism<LrkvConfig, LrkvLayer<double>>(lrkv_of(in), in);
+        run_mechanism<LrkvConfig, LrkvLayer<double>>(with_span(lrkv_of(in), in, spanned), in);
         break;
     }
   } catch (const kvattn::error&) {

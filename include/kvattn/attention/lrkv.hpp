@@ -361,8 +361,10 @@ class LrkvLayer {
     detail::check_batch_caches(where, caches);
     for (const Cache* cache : caches) check_cache(*cache, where);
     const int thread_count = threads.resolved();
-    Index prefix = detail::checked_shared_prefix(where, caches, options.shared_prefix);
-    if (config_.window > 0) prefix = 0;  // each sequence sees its own window (docs/serving.md)
+    // With a window each sequence reads its own window: no shared prefix (docs/serving.md).
+    const Index prefix = config_.window > 0
+                             ? 0
+                             : detail::checked_shared_prefix(where, caches, options.shared_prefix);
     if (batch == 0) return;
     prepare_batch(ws, caches, prefix, thread_count);
     grow_batch(caches);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,11 +55,17 @@ class PagedCacheBase {
   /// Bytes of the pages held (a page shared with a fork counted in full by each).
   std::size_t capacity_bytes() const { return rows_.capacity_bytes(); }
 
-  /// Pages for a sequence of `n` tokens in all. Strong exception guarantee (pool_exhausted).
+  /// Pages for a sequence of `n` tokens in all; with a window, at most for the next
+  /// window + max_rollback tokens (the cache never holds more). Strong exception guarantee
+  /// (pool_exhausted).
   void reserve(Index n) {
     if (n < 0)
       throw shape_error(std::string(name_) + "::reserve: n (" + std::to_string(n) +
                         ") must be >= 0");
+    if (config_.window > 0) {
+      const Index ahead = size_sum(name_, "window + max_rollback", config_.window, max_rollback_);
+      n = std::min(n, sequence_length() + std::min(ahead, PTRDIFF_MAX - sequence_length()));
+    }
     rows_.reserve(n);
   }
   /// Drops every token and returns every page.
