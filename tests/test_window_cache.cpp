@@ -20,6 +20,7 @@
 #include "kvattn/reference/lrkv.hpp"
 #include "kvattn/reference/mla.hpp"
 #include "test_util.hpp"
+#include "window_cases.hpp"
 
 using namespace kvattn;
 using test::random_input;
@@ -46,26 +47,9 @@ Config windowed(Config c) {
   return c;
 }
 
-GqaConfig gqa_case() {
-  return gqa_config(24, 4, 8, 2, RopeConfig{RopeLayout::half_split, 10000.0, 3});
-}
-MlaConfig mla_case() {
-  MlaConfig c;
-  c.d_model = 24;
-  c.n_heads = 3;
-  c.kv_rank = 10;
-  c.qk_nope_dim = 6;
-  c.rope_dim = 4;
-  c.v_dim = 5;
-  c.rope = {RopeLayout::interleaved, 10000.0, 0};
-  return c;
-}
-LrkvConfig lrkv_case() {
-  LrkvConfig c{24, 3, 8, 3, LrkvRopeMode::shared};
-  c.rope = {RopeLayout::half_split, 10000.0, 0};
-  c.key_norm = true;
-  return c;
-}
+GqaConfig gqa_case(Index n_kv = 2) { return test::window_gqa_case(n_kv); }
+MlaConfig mla_case() { return test::window_mla_case(); }
+LrkvConfig lrkv_case() { return test::window_lrkv_case(); }
 
 std::shared_ptr<PagePool> pool_for(const GqaConfig& c, Index pages) {
   return make_gqa_page_pool<double>(c, kPage, pages);

@@ -17,6 +17,7 @@
 #include "kvattn/reference/lrkv.hpp"
 #include "kvattn/reference/mla.hpp"
 #include "test_util.hpp"
+#include "window_cases.hpp"
 
 using namespace kvattn;
 using test::random_input;
@@ -58,29 +59,9 @@ Config with_span(Config c, const Span& span) {
   return c;
 }
 
-GqaConfig gqa_case(Index n_kv) {
-  return gqa_config(24, 4, 8, n_kv, RopeConfig{RopeLayout::half_split, 10000.0, 5});
-}
-
-MlaConfig mla_case() {
-  MlaConfig c;
-  c.d_model = 24;
-  c.n_heads = 3;
-  c.kv_rank = 10;
-  c.q_rank = 12;
-  c.qk_nope_dim = 6;
-  c.rope_dim = 4;
-  c.v_dim = 5;
-  c.rope = {RopeLayout::interleaved, 10000.0, 2};
-  return c;
-}
-
-LrkvConfig lrkv_case() {
-  LrkvConfig c{24, 3, 8, 3, LrkvRopeMode::shared};
-  c.rope = {RopeLayout::half_split, 10000.0, 1};
-  c.key_norm = true;
-  return c;
-}
+GqaConfig gqa_case(Index n_kv = 2) { return test::window_gqa_case(n_kv); }
+MlaConfig mla_case() { return test::window_mla_case(); }
+LrkvConfig lrkv_case() { return test::window_lrkv_case(); }
 
 template <class Layer>
 auto prefill(const Layer& layer, const MatD& x, auto& cache, Threads threads, int mode) {
