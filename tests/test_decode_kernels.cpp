@@ -275,11 +275,12 @@ struct DenseOps {
   const std::vector<float>& k;  // groups x L x d
   const std::vector<float>& v;  // groups x L x d
   Index rows, d, L;
-  void score(Index g, Index first, Index n, float* logits, Index ld) const {
+  void score(Index g, Index first, Index n, float* logits, Index ld, float* /*spare*/) const {
     detail::score_rows(q.data() + g * rows * d, d, rows, d, k.data() + (g * L + first) * d, d, 0, n,
                        logits, ld, false);
   }
-  void accumulate(Index g, Index first, Index n, const float* w, Index ld, float* acc) const {
+  void accumulate(Index g, Index first, Index n, const float* w, Index ld, float* acc,
+                  float* /*spare*/) const {
     detail::accumulate_rows(w, ld, rows, v.data() + (g * L + first) * d, d, 0, d, n, acc, d, 16);
   }
 };

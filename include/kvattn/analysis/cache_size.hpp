@@ -191,11 +191,17 @@ constexpr CacheStorage block_scaled_storage(Dtype dtype = Dtype::fp8_e4m3, Index
   return {dtype, rope_dtype, block, scale_dtype};
 }
 
-/// The storage of a library cache whose scalar type is S (LrkvCache keeps key RMS as
-/// max(S, float), which the >= fp32 rule for norms reproduces).
+/// The storage of a library cache whose storage type is S (LrkvCache keeps key RMS as
+/// max(S, float), which the >= fp32 rule for norms reproduces). A block-quantized S
+/// (kvattn::Int8<B>, kvattn::Fp8E4M3<B>) has its codes' dtype, one fp32 scale per B
+/// elements of each row, and a rope part in bf16.
 template <class S>
 constexpr CacheStorage storage_of() {
-  return plain_storage(dtype_of<S>());
+  if constexpr (is_block_quantized_v<S>) {
+    return block_scaled_storage(S::code, S::block, Dtype::bf16, Dtype::fp32);
+  } else {
+    return plain_storage(dtype_of<S>());
+  }
 }
 
 /// Block scales per token per layer: sum over rows of ceil(width / block).

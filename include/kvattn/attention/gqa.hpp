@@ -33,6 +33,7 @@
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/row_source.hpp"
+#include "kvattn/detail/quantized_kernels.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
@@ -191,8 +192,12 @@ class GqaLayer {
     RowMatrix<T> query, key, value;
     project(x, past, query, key, value, thread_count);
     query *= scale_;
+    if constexpr (detail::is_quantized_storage<S>) {  // before any work: nothing to undo
+      detail::require_finite(where, "keys", key);
+      detail::require_finite(where, "values", value);
+    }
     // The new keys and values as the cache will store them (rounded to S).
-    const Staged<S> staged(key, value);
+    const Staged<S> staged(key, value, config_.n_kv_heads, dh);
     const detail::CausalShape shape{
         past, past, dh, std::is_same_v<S, T> ? 0 : dh, detail::cache_segment(cache), span()};
     std::vector<detail::CausalScratch<T>> scratch(static_cast<std::size_t>(thread_count));
@@ -234,8 +239,6 @@ class GqaLayer {
     const int thread_count = threads.resolved();
     auto plan = prepare(ws, cache.sequence_length() + 1, thread_count);
     plan.segment = detail::cache_segment(cache);
-    cache.grow_for(cache.sequence_length() + 1);
-    // Everything that may throw is done; from here the step cannot fail.
     const Index position = cache.sequence_length();
     detail::parallel_product(x, weights_.w_q, ws.query, thread_count);
     detail::parallel_product(x, weights_.w_k, ws.key, thread_count);
@@ -247,6 +250,12 @@ class GqaLayer {
     }
     const double angle_position = static_cast<double>(config_.rope.position_offset + position);
     rope_.rotate(ws.key.data(), angle_position, config_.n_kv_heads, config_.head_dim);
+    if constexpr (detail::is_quantized_storage<typename Cache::storage_type>) {
+      detail::require_finite(where, "the new token's key", ws.key);
+      detail::require_finite(where, "the new token's value", ws.value);
+    }
+    cache.grow_for(position + 1);
+    // Everything that may throw is done; from here the step cannot fail.
     cache.append_token(ws.key, ws.value);
     attend_prepared(cache, ws, plan, ws.heads.data());
     detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
@@ -336,8 +345,6 @@ class GqaLayer {
                              : detail::checked_shared_prefix(where, caches, options.shared_prefix);
     if (batch == 0) return;
     prepare_batch(ws, caches, prefix, thread_count);
-    grow_batch(caches);
-    // Everything that may throw is done; from here the step cannot fail.
     const Index dh = config_.head_dim;
     const Index group = config_.group_size();
     detail::parallel_product(x, weights_.w_q, ws.batch_query, thread_count);
@@ -361,7 +368,15 @@ class GqaLayer {
       if (DecodeOps<Cache>::paired_score(group, dh)) {
         for (Index h = 0; h < config_.n_heads; ++h) detail::to_paired(query.data() + h * dh, dh);
       }
-      cache.append_token(key, value);
+    }
+    if constexpr (detail::is_quantized_storage<typename Cache::storage_type>) {
+      detail::require_finite(where, "the new tokens' keys", ws.batch_key);
+      detail::require_finite(where, "the new tokens' values", ws.batch_value);
+    }
+    grow_batch(caches);
+    // Everything that may throw is done; from here the step cannot fail.
+    for (Index s = 0; s < batch; ++s) {
+      caches[static_cast<std::size_t>(s)]->append_token(ws.batch_key.row(s), ws.batch_value.row(s));
     }
     // Sources 0 ... B-1: the sequences; source B: the shared prefix, read through the first
     // cache with every sequence's query rows of a group stacked.
@@ -444,16 +459,33 @@ class GqaLayer {
   }
 
   // A prefill's new keys and values in storage type S: the projections themselves
-  // when S is T, else rounded copies.
+  // when S is T, else rounded (or quantized) copies, laid out as the cache's rows: token
+  // i's KV head g at (i * n_kv + g) * row_stride.
   template <class S>
   struct Staged {
-    RowMatrix<S> keys, values;  // empty when S is T
-    const S* key_data;
-    const S* value_data;
-    Staged(const RowMatrix<T>& key, const RowMatrix<T>& value) {
+    using Element = detail::storage_element_t<S>;
+    RowMatrix<Element> keys, values;  // empty when S is T
+    const Element* key_data;
+    const Element* value_data;
+    Staged(const RowMatrix<T>& key, const RowMatrix<T>& value, Index n_kv, Index head_dim) {
+      using Traits = detail::StorageTraits<S>;
       if constexpr (std::is_same_v<S, T>) {
         key_data = key.data();
         value_data = value.data();
+      } else if constexpr (Traits::quantized) {
+        const Index stride = Traits::row_elements(head_dim);
+        keys.resize(key.rows(), n_kv * stride);
+        values.resize(value.rows(), n_kv * stride);
+        for (Index i = 0; i < key.rows(); ++i) {
+          for (Index g = 0; g < n_kv; ++g) {
+            Traits::encode([&](Index j) { return key(i, g * head_dim + j); }, head_dim,
+                           keys.data() + (i * n_kv + g) * stride);
+            Traits::encode([&](Index j) { return value(i, g * head_dim + j); }, head_dim,
+                           values.data() + (i * n_kv + g) * stride);
+          }
+        }
+        key_data = keys.data();
+        value_data = values.data();
       } else {
         keys = key.template cast<S>();
         values = value.template cast<S>();
@@ -464,11 +496,14 @@ class GqaLayer {
   };
 
   // KV group g's keys (or values) for a prefill: the cache's rows, then the new ones.
-  template <class Cache, class S>
-  detail::RowSource<S> row_source(const Cache& cache, const S* fresh, Index g, bool values) const {
-    const Index dh = config_.head_dim;
-    detail::RowSource<S> source{nullptr, dh, fresh + g * dh, config_.kv_width(),
-                                cache.sequence_length()};
+  template <class Cache>
+  auto row_source(const Cache& cache, const typename Cache::element_type* fresh, Index g,
+                  bool values) const {
+    using S = typename Cache::storage_type;
+    const Index stride = cache.row_stride();
+    detail::RowSource<S> source{
+        nullptr, stride, fresh + g * stride, config_.n_kv_heads * stride, cache.sequence_length()};
+    source.quantized_width = config_.head_dim;
     if constexpr (requires { cache.page_tokens(); }) {
       source.paged = &cache.rows_;
       source.block = values ? config_.n_kv_heads + g : g;
@@ -595,14 +630,22 @@ class GqaLayer {
       return group_size == 1 && detail::paired_rows<T, S>(head_dim);
     }
 
-    void score(Index group, Index first, Index n, T* logits, Index ld) const {
-      detail::score_rows(query + group * group_stride, head_dim, group_size, head_dim,
-                         cache.key_row(group, first), head_dim, 0, n, logits, ld, false, nullptr,
-                         nullptr, paired_query);
+    void score(Index group, Index first, Index n, T* logits, Index ld, T* spare) const {
+      if constexpr (detail::is_quantized_storage<S>) {
+        detail::score_quantized<T, S>(query + group * group_stride, head_dim, group_size,
+                                      cache.key_row(group, first), cache.row_stride(), head_dim, n,
+                                      logits, ld, spare);
+      } else {
+        detail::score_rows(query + group * group_stride, head_dim, group_size, head_dim,
+                           cache.key_row(group, first), head_dim, 0, n, logits, ld, false, nullptr,
+                           nullptr, paired_query);
+      }
     }
 
-    void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc) const {
-      const Index row_bytes = head_dim * Index{sizeof(S)};
+    void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc,
+                    T* spare) const {
+      using Element = detail::storage_element_t<S>;
+      const Index row_bytes = cache.row_stride() * Index{sizeof(Element)};
       const Index ahead = std::max<Index>(1, kPrefetchAhead / row_bytes);
       const Index begin = std::min(cache.sequence_length(), first + ahead);
       // Within one page of a paged cache (rows past it are elsewhere).
@@ -610,9 +653,16 @@ class GqaLayer {
           begin + std::min(first + n + ahead - begin, detail::contiguous_rows(cache, begin));
       detail::Prefetcher values(begin < end ? cache.value_row(group, begin) : nullptr,
                                 (end - begin) * row_bytes);
-      detail::accumulate_rows(weights, ld, group_size, cache.value_row(group, first), head_dim, 0,
-                              head_dim, n, acc, head_dim, kTokenBlock, &values,
-                              detail::paired_rows<T, S>(head_dim));
+      if constexpr (detail::is_quantized_storage<S>) {
+        detail::accumulate_quantized<T, S>(weights, ld, group_size, cache.value_row(group, first),
+                                           cache.row_stride(), head_dim, n, acc, head_dim,
+                                           kTokenBlock, &values, spare);
+      } else {
+        (void)spare;
+        detail::accumulate_rows(weights, ld, group_size, cache.value_row(group, first), head_dim, 0,
+                                head_dim, n, acc, head_dim, kTokenBlock, &values,
+                                detail::paired_rows<T, S>(head_dim));
+      }
     }
   };
 

@@ -619,12 +619,13 @@ class LrkvLayer {
       return {detail::Prefetcher(p, first), detail::Prefetcher(p + first, bytes - first)};
     }
 
-    void score(Index group, Index first, Index n, T* logits, Index ld) const {
+    void score(Index group, Index first, Index n, T* logits, Index ld, T* /*spare*/) const {
       for (Index b = 0; b < sequences; ++b) {
         sequence_ops(b).score_one(group, first, n, logits + b * heads * ld, ld, b == 0);
       }
     }
-    void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc) const {
+    void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc,
+                    T* /*spare*/) const {
       for (Index b = 0; b < sequences; ++b) {
         sequence_ops(b).accumulate_one(group, first, n, weights + b * heads * ld, ld,
                                        acc + b * heads * (head_dim + rank), b + 1 == sequences);

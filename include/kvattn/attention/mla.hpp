@@ -628,12 +628,13 @@ class MlaLayer {
                              reinterpret_cast<const char*>(cache.row_data(first + n)) + split,
                              bytes - split);
     }
-    void score(Index, Index first, Index n, T* logits, Index ld) const {
+    void score(Index, Index first, Index n, T* logits, Index ld, T* /*spare*/) const {
       detail::Prefetcher next = next_tile(first, n, 0);
       detail::score_rows(absorbed, width, heads, width, cache.row_data(first), width, 0, n, logits,
                          ld, false, &next);
     }
-    void accumulate(Index, Index first, Index n, const T* weights, Index ld, T* acc) const {
+    void accumulate(Index, Index first, Index n, const T* weights, Index ld, T* acc,
+                    T* /*spare*/) const {
       detail::Prefetcher next = next_tile(first, n, 1);
       detail::accumulate_rows(weights, ld, heads, cache.row_data(first), width, 0, kv_rank, n, acc,
                               kv_rank, kTokenBlock, &next, detail::paired_rows<T, S>(kv_rank));

@@ -8,6 +8,7 @@
 #include "kvattn/cache/token_buffer.hpp"
 #include "kvattn/config/gqa_config.hpp"
 #include "kvattn/core/errors.hpp"
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/types.hpp"
 
 namespace kvattn {
@@ -19,7 +20,10 @@ class GqaLayer;
 /// 2 * n_kv * d_h elements of storage type S. Each KV head's keys are one dense
 /// `tokens x d_h` block, so decode streams them once per step for the whole group.
 ///
-/// T is the compute type of the layer that fills it; S (default T) the storage type.
+/// T is the compute type of the layer that fills it; S (default T) the storage type: a
+/// scalar (float, double, Eigen::bfloat16, Eigen::half) or a block-quantized format
+/// (Int8<B>, Fp8E4M3<B>: each KV head's key and value row quantized on append, one fp32
+/// scale per B elements; see core/quantized.hpp and docs/api.md).
 /// A cache holds tokens only (no kernel scratch): several threads may read one const
 /// cache at once; a thread that appends must be the only one using it. Copying forks it.
 template <class T, class S = T>
@@ -27,6 +31,8 @@ class GqaCache {
  public:
   using compute_type = T;
   using storage_type = S;
+  /// What a row is stored as: S itself, or the one-byte codes of a quantized S.
+  using element_type = detail::storage_element_t<S>;
 
   /// Already-projected rows for append: keys and values, n x (n_kv * d_h) each,
   /// KV head g in columns [g * d_h, (g + 1) * d_h). Keys carry RoPE already (each at
@@ -76,11 +82,16 @@ class GqaCache {
   /// Appends n tokens of keys and values (rows_type). Strong exception guarantee.
   void append(const rows_type& rows) { append(rows.keys, rows.values); }
 
-  /// Appends n tokens of keys and values (n x (n_kv * d_h) each).
+  /// Appends n tokens of keys and values (n x (n_kv * d_h) each). A quantized cache takes
+  /// finite values only (value_error otherwise, nothing appended).
   void append(const ConstMatrixRef<T>& keys, const ConstMatrixRef<T>& values) {
     const Index width = config_.kv_width();
     detail::check_shape("GqaCache::append", "keys", keys, -1, width);
     detail::check_shape("GqaCache::append", "values", values, keys.rows(), width);
+    if constexpr (detail::is_quantized_storage<S>) {
+      detail::require_finite("GqaCache::append", "keys", keys);
+      detail::require_finite("GqaCache::append", "values", values);
+    }
     grow_for(tokens() + keys.rows());
     keys_.write_rows(keys);
     values_.write_rows(values);
@@ -88,12 +99,28 @@ class GqaCache {
     values_.commit(keys.rows());
   }
 
-  /// KV head g's cached keys / values, tokens() x d_h.
-  auto keys(Index g) const { return keys_.block(g); }
-  auto values(Index g) const { return values_.block(g); }
-  /// Pointer to KV head g's key / value of token t (rows of one head are contiguous).
-  const S* key_row(Index g, Index t) const { return keys_.row(g, t); }
-  const S* value_row(Index g, Index t) const { return values_.row(g, t); }
+  /// KV head g's cached keys / values, tokens() x d_h: a view of the stored rows, or for
+  /// a quantized S a dequantized copy (RowMatrix<T>).
+  auto keys(Index g) const {
+    if constexpr (detail::is_quantized_storage<S>) {
+      return keys_.template dequantized<T>(g);
+    } else {
+      return keys_.block(g);
+    }
+  }
+  auto values(Index g) const {
+    if constexpr (detail::is_quantized_storage<S>) {
+      return values_.template dequantized<T>(g);
+    } else {
+      return values_.block(g);
+    }
+  }
+  /// Pointer to KV head g's key / value row of token t. A head's rows are contiguous,
+  /// row_stride() elements apart: d_h elements of S, or d_h codes followed by the row's
+  /// ceil(d_h / B) fp32 block scales for a quantized S.
+  const element_type* key_row(Index g, Index t) const { return keys_.row(g, t); }
+  const element_type* value_row(Index g, Index t) const { return values_.row(g, t); }
+  Index row_stride() const { return keys_.row_stride(); }
 
  private:
   friend class GqaLayer<T>;
@@ -129,5 +156,6 @@ class GqaCache {
 
 static_assert(detail::check_kv_cache<GqaCache<float>>());
 static_assert(detail::check_kv_cache<GqaCache<double, float>>());
+static_assert(detail::check_kv_cache<GqaCache<float, BlockQuantized<Dtype::int8, 128>>>());
 
 }  // namespace kvattn

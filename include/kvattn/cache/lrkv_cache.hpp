@@ -10,6 +10,7 @@
 #include "kvattn/cache/token_buffer.hpp"
 #include "kvattn/config/lrkv_config.hpp"
 #include "kvattn/core/errors.hpp"
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/types.hpp"
 
 namespace kvattn {
@@ -71,6 +72,9 @@ void check_lrkv_rows(const char* where, const LrkvConfig& config, const Rows& ro
 template <class T, class S = T>
 class LrkvCache {
  public:
+  static_assert(!detail::is_quantized_storage<S>,
+                "kvattn::LrkvCache: block-quantized storage (Int8, Fp8E4M3) is not implemented for "
+                "this mechanism yet; GqaCache and PagedGqaCache take it (docs/api.md)");
   using compute_type = T;
   using storage_type = S;
   /// Scalar of the per-head key RMS: at least fp32 whatever S is.

@@ -9,6 +9,7 @@
 #include "kvattn/cache/token_buffer.hpp"
 #include "kvattn/config/mla_config.hpp"
 #include "kvattn/core/errors.hpp"
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/types.hpp"
 
 namespace kvattn {
@@ -28,6 +29,9 @@ class MlaLayer;
 template <class T, class S = T>
 class MlaCache {
  public:
+  static_assert(!detail::is_quantized_storage<S>,
+                "kvattn::MlaCache: block-quantized storage (Int8, Fp8E4M3) is not implemented for "
+                "this mechanism yet; GqaCache and PagedGqaCache take it (docs/api.md)");
   using compute_type = T;
   using storage_type = S;
   using Rows = typename detail::TokenBuffer<S>::ConstBlock;

@@ -15,6 +15,7 @@
 #include "kvattn/config/rules.hpp"
 #include "kvattn/core/dtype.hpp"
 #include "kvattn/core/errors.hpp"
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/index.hpp"
 
 namespace kvattn::detail {
@@ -24,7 +25,7 @@ namespace kvattn::detail {
 template <class S>
 std::string page_layout_name(const std::string& cache, const std::string& config,
                              Index page_tokens) {
-  return cache + " " + config + " " + std::string(kvattn::to_string(kvattn::dtype_of<S>())) + ", " +
+  return cache + " " + config + " " + storage_name<S>() + ", " +
          std::to_string(page_tokens) + " tokens per page";
 }
 

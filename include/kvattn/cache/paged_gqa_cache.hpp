@@ -26,8 +26,10 @@ namespace detail {
 template <class S>
 PageLayout gqa_page_layout(const GqaConfig& c, Index page_tokens) {
   c.validate();
-  std::vector<PageBlock> blocks(static_cast<std::size_t>(2 * c.n_kv_heads),
-                                PageBlock{c.head_dim, sizeof(S), 0});
+  using Traits = StorageTraits<S>;
+  std::vector<PageBlock> blocks(
+      static_cast<std::size_t>(2 * c.n_kv_heads),
+      PageBlock{Traits::row_elements(c.head_dim), sizeof(typename Traits::element), 0});
   return page_layout(page_tokens, std::move(blocks));
 }
 }  // namespace detail
@@ -53,6 +55,7 @@ class PagedGqaCache : public detail::PagedCacheBase<GqaConfig> {
  public:
   using compute_type = T;
   using storage_type = S;
+  using element_type = detail::storage_element_t<S>;
   using rows_type = typename GqaCache<T, S>::rows_type;
 
   /// With a window (config.window > 0), the cache keeps the sink tokens and the last
@@ -72,16 +75,23 @@ class PagedGqaCache : public detail::PagedCacheBase<GqaConfig> {
     const Index width = config_.kv_width();
     detail::check_shape("PagedGqaCache::append", "keys", keys, -1, width);
     detail::check_shape("PagedGqaCache::append", "values", values, keys.rows(), width);
+    if constexpr (detail::is_quantized_storage<S>) {
+      detail::require_finite("PagedGqaCache::append", "keys", keys);
+      detail::require_finite("PagedGqaCache::append", "values", values);
+    }
     rows_.prepare_append(keys.rows());
     for (Index t = 0; t < keys.rows(); ++t) append_token(keys.row(t), values.row(t));
   }
 
-  /// Pointer to KV head g's key / value of token t; rows are contiguous to the end of
-  /// t's page (segment_end).
-  const S* key_row(Index g, Index t) const { return rows_.template row<S>(g, t); }
-  const S* value_row(Index g, Index t) const {
-    return rows_.template row<S>(config_.n_kv_heads + g, t);
+  /// Pointer to KV head g's key / value row of token t; rows are contiguous (row_stride()
+  /// elements apart, laid out as in GqaCache) to the end of t's page.
+  const element_type* key_row(Index g, Index t) const {
+    return rows_.template row<element_type>(g, t);
   }
+  const element_type* value_row(Index g, Index t) const {
+    return rows_.template row<element_type>(config_.n_kv_heads + g, t);
+  }
+  Index row_stride() const { return detail::StorageTraits<S>::row_elements(config_.head_dim); }
 
  private:
   friend class GqaLayer<T>;
@@ -92,12 +102,18 @@ class PagedGqaCache : public detail::PagedCacheBase<GqaConfig> {
   void append_token(const KeyRow& key, const ValueRow& value) noexcept {
     const Index t = sequence_length();
     const Index dh = config_.head_dim;
+    using Traits = detail::StorageTraits<S>;
     for (Index g = 0; g < config_.n_kv_heads; ++g) {
-      S* k = rows_.template writable_row<S>(g, t);
-      S* v = rows_.template writable_row<S>(config_.n_kv_heads + g, t);
-      for (Index j = 0; j < dh; ++j) {
-        k[j] = static_cast<S>(key(g * dh + j));
-        v[j] = static_cast<S>(value(g * dh + j));
+      element_type* k = rows_.template writable_row<element_type>(g, t);
+      element_type* v = rows_.template writable_row<element_type>(config_.n_kv_heads + g, t);
+      if constexpr (Traits::quantized) {
+        Traits::encode([&](Index j) { return key(g * dh + j); }, dh, k);
+        Traits::encode([&](Index j) { return value(g * dh + j); }, dh, v);
+      } else {
+        for (Index j = 0; j < dh; ++j) {
+          k[j] = static_cast<S>(key(g * dh + j));
+          v[j] = static_cast<S>(value(g * dh + j));
+        }
       }
     }
     rows_.commit(1);

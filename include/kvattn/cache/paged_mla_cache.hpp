@@ -13,6 +13,7 @@
 #include "kvattn/cache/paged_rows.hpp"
 #include "kvattn/config/mla_config.hpp"
 #include "kvattn/core/errors.hpp"
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/types.hpp"
 
 namespace kvattn {
@@ -43,6 +44,9 @@ std::shared_ptr<PagePool> make_mla_page_pool(const MlaConfig& config, Index page
 template <class T, class S = T>
 class PagedMlaCache : public detail::PagedCacheBase<MlaConfig> {
  public:
+  static_assert(!detail::is_quantized_storage<S>,
+                "kvattn::PagedMlaCache: block-quantized storage (Int8, Fp8E4M3) is not implemented for "
+                "this mechanism yet; GqaCache and PagedGqaCache take it (docs/api.md)");
   using compute_type = T;
   using storage_type = S;
   using rows_type = typename MlaCache<T, S>::rows_type;

@@ -96,8 +96,28 @@ constexpr std::optional<Dtype> parse_dtype(std::string_view name) {
   return std::nullopt;
 }
 
+/// A block-quantized storage type (core/quantized.hpp): each cached row of w elements is
+/// stored as w codes of `Code` (Dtype::int8 or Dtype::fp8_e4m3), one byte each, followed
+/// by ceil(w / Block) fp32 scales, one per block of Block elements along the row (the last
+/// block may be shorter; a block never spans two rows). Use the aliases kvattn::Int8<B> and
+/// kvattn::Fp8E4M3<B>.
+template <Dtype Code, Index Block>
+struct BlockQuantized {
+  static_assert(Code == Dtype::int8 || Code == Dtype::fp8_e4m3,
+                "kvattn::BlockQuantized: the codes are int8 or fp8_e4m3");
+  static_assert(Block >= 1, "kvattn::BlockQuantized: a block holds at least one element");
+  static constexpr Dtype code = Code;
+  static constexpr Index block = Block;
+};
+
+template <class S>
+inline constexpr bool is_block_quantized_v = false;
+template <Dtype Code, Index Block>
+inline constexpr bool is_block_quantized_v<BlockQuantized<Code, Block>> = true;
+
 /// The Dtype of a C++ storage scalar: float -> fp32, double -> fp64, Eigen::bfloat16 ->
-/// bf16, Eigen::half -> fp16 (the storage types the library's caches take). Other
+/// bf16, Eigen::half -> fp16, BlockQuantized<Code, B> -> Code (the storage types the
+/// library's caches take). Other
 /// types do not compile, so a new storage type must be added here first.
 template <class S>
 constexpr Dtype dtype_of() {
@@ -109,6 +129,8 @@ constexpr Dtype dtype_of() {
     return Dtype::bf16;
   } else if constexpr (std::is_same_v<S, Eigen::half>) {
     return Dtype::fp16;
+  } else if constexpr (is_block_quantized_v<S>) {
+    return S::code;  // the codes' type; the scales are fp32
   } else {
     static_assert(sizeof(S) == 0, "kvattn::dtype_of: no Dtype for this storage type");
   }

@@ -67,6 +67,15 @@ class length_error : public std::length_error, public error {
   const char* what() const noexcept override { return std::length_error::what(); }
 };
 
+/// A value the storage cannot represent: a NaN or an infinity appended to a block-quantized
+/// cache (core/quantized.hpp), whose block scale would then be meaningless. The call that
+/// met it changed nothing.
+class value_error : public std::domain_error, public error {
+ public:
+  using std::domain_error::domain_error;
+  const char* what() const noexcept override { return std::domain_error::what(); }
+};
+
 namespace detail {
 
 inline void append_part(std::string& text, std::string_view part) { text += part; }

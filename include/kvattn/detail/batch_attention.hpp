@@ -55,7 +55,7 @@ struct BatchScratch {
   double softcap = 0.0;      // see SplitPlan::softcap
   const T* sinks = nullptr;  // a sink logit per head (nullptr: none); final row r is head
   Index heads = 1;           //   r % heads
-  RowMatrix<T> scores;       // threads*max_rows x logits stride
+  RowMatrix<T> scores;       // threads*tile_rows(max_rows) x logits stride
   RowVector<T> max, sum;     // slots
   RowMatrix<T> acc;          // slots x width
   Index final_rows = 0;      // output rows, each merged from the units that cover it
@@ -77,7 +77,7 @@ struct BatchScratch {
       slots = std::max(slots, u.slot + u.rows);
     }
     threads = thread_count;
-    grow(scores, Index{thread_count} * most_rows, ld());
+    grow(scores, Index{thread_count} * tile_rows(most_rows), ld());
     grow(acc, slots, width);
     if (max.cols() < slots) reshape(max, slots);
     if (sum.cols() < slots) reshape(sum, slots);
@@ -202,7 +202,7 @@ void run_batch(BatchScratch<T>& scratch, const OpsOf& ops_of) {
   for (const auto& u : scratch.units) most_rows = std::max(most_rows, u.rows);
   auto run_unit = [&](Index k, int thread) {
     const BatchUnit& u = scratch.units[static_cast<std::size_t>(k)];
-    T* logits = scratch.scores.data() + Index{thread} * most_rows * ld;
+    T* logits = scratch.scores.data() + Index{thread} * tile_rows(most_rows) * ld;
     attend_range(ops_of(u.source), u.group, u.first, u.last, scratch.tile, scratch.segment,
                  static_cast<T>(scratch.softcap), u.rows, width, logits, ld,
                  scratch.max.data() + u.slot, scratch.sum.data() + u.slot,

@@ -11,6 +11,7 @@
 
 #include <Eigen/Core>
 
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/types.hpp"
 
 // Register blocks are small arrays indexed by constant-trip loops; they must be
@@ -37,11 +38,58 @@ inline constexpr Index packet_size = ei::unpacket_traits<Packet<T>>::size;
 /// vector registers: 16 (SSE, AVX2) or 32 (AVX-512, AArch64 NEON).
 inline constexpr bool many_registers = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32;
 
-/// P consecutive elements of storage type S as one packet of T.
+/// Whether S is a one-byte code of a block-quantized cache (core/quantized.hpp).
+template <class S>
+inline constexpr bool is_code = std::is_same_v<S, std::int8_t> || std::is_same_v<S, fp8_e4m3>;
+
+/// P consecutive one-byte codes as one packet of T, unscaled: int8 as integers, e4m3 as
+/// their values. The e4m3 decode is three integer operations and an exact multiply: the
+/// sign-extended code shifted up by 20 puts the sign at bit 31 and the exponent and
+/// mantissa under float's exponent and mantissa fields (bits 23-26, 20-22), which reads as
+/// the value times 2^-120 (float's exponent bias 127 against e4m3's 7); the subnormal
+/// codes land on float's subnormals, which keeps them exact.
+template <class T, class S>
+inline Packet<T> load_codes(const S* from) {
+  constexpr bool is_int8 = std::is_same_v<S, std::int8_t>;
+#if defined(EIGEN_VECTORIZE_AVX512)
+  if constexpr (std::is_same_v<T, float> && packet_size<T> == 16) {
+    // Zero-masking forms, for GCC bug 105593 (see load_widened).
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from));
+    const __m512i wide = _mm512_maskz_cvtepi8_epi32(0xFFFF, raw);
+    if constexpr (is_int8) {
+      return _mm512_maskz_cvtepi32_ps(0xFFFF, wide);
+    } else {
+      const __m512i bits = _mm512_and_si512(_mm512_maskz_slli_epi32(0xFFFF, wide, 20),
+                                            _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
+      return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+    }
+  }
+#elif defined(EIGEN_VECTORIZE_AVX2)
+  if constexpr (std::is_same_v<T, float> && packet_size<T> == 8) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(from));
+    const __m256i wide = _mm256_cvtepi8_epi32(raw);
+    if constexpr (is_int8) {
+      return _mm256_cvtepi32_ps(wide);
+    } else {
+      const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(wide, 20),
+                                            _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
+      return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+    }
+  }
+#endif
+  (void)is_int8;
+  alignas(64) T widened[packet_size<T>];
+  for (Index k = 0; k < packet_size<T>; ++k) widened[k] = static_cast<T>(from[k]);
+  return ei::pload<Packet<T>>(widened);
+}
+
+/// P consecutive elements of storage type S as one packet of T (codes unscaled).
 template <class T, class S>
 inline Packet<T> load_widened(const S* from) {
   if constexpr (std::is_same_v<S, T>) {
     return ei::ploadu<Packet<T>>(from);
+  } else if constexpr (is_code<S>) {
+    return load_codes<T>(from);
   } else {
 #if defined(EIGEN_VECTORIZE_AVX512)
     if constexpr (std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&

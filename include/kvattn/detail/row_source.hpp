@@ -8,27 +8,32 @@
 #include <type_traits>
 
 #include "kvattn/cache/paged_rows.hpp"
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/types.hpp"
 
 namespace kvattn::detail {
 
 /// Rows 0 ... split-1 at `cached` (stride cached_stride), rows split ... at `fresh`
-/// (stride fresh_stride), all of storage type S. With `paged` set, the cached rows are
-/// block `block` of a paged cache's pages instead (stride cached_stride within a page,
-/// contiguous for `segment` tokens): a tile of cached rows must then stay in one page.
+/// (stride fresh_stride), all of storage type S (strides in elements of its
+/// storage_element_t). With `paged` set, the cached rows are block `block` of a paged
+/// cache's pages instead (stride cached_stride within a page, contiguous for `segment`
+/// tokens): a tile of cached rows must then stay in one page. For a quantized S, each row
+/// holds `quantized_width` codes and their block scales (core/quantized.hpp).
 template <class S>
 struct RowSource {
-  const S* cached = nullptr;
+  using Element = storage_element_t<S>;
+  const Element* cached = nullptr;
   Index cached_stride = 0;
-  const S* fresh = nullptr;
+  const Element* fresh = nullptr;
   Index fresh_stride = 0;
   Index split = 0;
   const PagedRows* paged = nullptr;
   Index block = 0;
+  Index quantized_width = 0;
 
-  const S* row(Index t) const {
+  const Element* row(Index t) const {
     if (t >= split) return fresh + (t - split) * fresh_stride;
-    return paged != nullptr ? paged->template row<S>(block, t) : cached + t * cached_stride;
+    return paged != nullptr ? paged->template row<Element>(block, t) : cached + t * cached_stride;
   }
   Index stride(Index t) const { return t < split ? cached_stride : fresh_stride; }
   /// Tokens per page of the cached rows (0: contiguous).
@@ -74,16 +79,26 @@ template <class T>
 using RowsMap = Eigen::Map<RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
 
 /// Rows t0 ... t0+n-1, columns col ... col+width-1 of `source` (the rows lie in one part)
-/// as a T matrix: a view of the rows themselves when S is T, else the rows widened
-/// into `buffer` (n x width scalars).
+/// as a T matrix: a view of the rows themselves when S is T, else the rows widened (or
+/// dequantized) into `buffer` (n x width scalars).
 template <class T, class S>
 ConstRowsMap<T> rows_as(const RowSource<S>& source, Index t0, Index n, Index col, Index width,
                         T* buffer) {
-  const S* rows = source.row(t0) + col;
   const Index stride = source.stride(t0);
   if constexpr (std::is_same_v<S, T>) {
-    return ConstRowsMap<T>(rows, n, width, Eigen::OuterStride<>(stride));
+    return ConstRowsMap<T>(source.row(t0) + col, n, width, Eigen::OuterStride<>(stride));
+  } else if constexpr (is_quantized_storage<S>) {
+    using Traits = StorageTraits<S>;
+    const auto* rows = source.row(t0);
+    for (Index t = 0; t < n; ++t) {
+      for (Index j = 0; j < width; ++j) {
+        buffer[t * width + j] =
+            static_cast<T>(Traits::value(rows + t * stride, source.quantized_width, col + j));
+      }
+    }
+    return ConstRowsMap<T>(buffer, n, width, Eigen::OuterStride<>(width));
   } else {
+    const S* rows = source.row(t0) + col;
     for (Index t = 0; t < n; ++t) {
       for (Index j = 0; j < width; ++j)
         buffer[t * width + j] = static_cast<T>(rows[t * stride + j]);

@@ -4,13 +4,15 @@
 // states merged exactly at the end.
 //
 // A mechanism supplies the two tile operations (its "ops"):
-//   score(group, first, n, logits, ld)          logits[i * ld + t] = logit of the
+//   score(group, first, n, logits, ld, spare)   logits[i * ld + t] = logit of the
 //                                               group's query row i against cached
 //                                               token first + t, t < n
-//   accumulate(group, first, n, weights, ld, acc)
+//   accumulate(group, first, n, weights, ld, acc, spare)
 //                                               acc (rows x acc_width, row-major)
 //                                               += what the weights (same layout
 //                                               as the logits) select
+// `spare` is (rows + 1) x ld scratch of the calling thread the ops may use as they like
+// (a quantized cache's partial logits, scaled weights and block scales).
 // Between the two, the tile's softmax runs along each query row's tokens (query-major
 // logits), vectorized with the packet exp whatever the number of rows: one row for
 // MHA, where the tile is the only thing to vectorize over.
@@ -82,11 +84,15 @@ inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index len
   return plan;
 }
 
+/// Rows of tile scratch one thread needs for `rows` query rows: the logits and the ops'
+/// spare rows (see the ops contract above).
+constexpr Index tile_rows(Index rows) { return 2 * rows + 1; }
+
 /// Scratch of the driver; grows to the largest plan seen and is then reused, so a
 /// step allocates nothing once it has run at its size.
 template <class T>
 struct SplitScratch {
-  RowMatrix<T> scores;  // threads*rows x logits_stride
+  RowMatrix<T> scores;  // threads*tile_rows(rows) x logits_stride: logits, then spare
   RowMatrix<T> acc;     // units*rows x acc_width
   RowVector<T> max;     // units*rows   running maximum of each partial softmax
   RowVector<T> sum;     // units*rows   running normalizer
@@ -94,7 +100,7 @@ struct SplitScratch {
   void fit(const SplitPlan& p) {
     const Index threads = p.max_threads;
     const Index slots = p.groups * p.max_splits * p.rows;
-    grow(scores, threads * p.rows, p.logits_stride<T>());
+    grow(scores, threads * tile_rows(p.rows), p.logits_stride<T>());
     grow(acc, slots, p.acc_width);
     if (max.cols() < slots) reshape(max, slots);
     if (sum.cols() < slots) reshape(sum, slots);
@@ -163,24 +169,26 @@ inline void softmax_tile_row(T* s, Index n_pad, T& max, T& sum, T* acc, Index wi
 /// row-major) of one group's query rows with tokens [first, last), tile by tile:
 /// `ops.score`, the soft-cap (softcap > 0), the tile softmax, `ops.accumulate`. Tiles
 /// never cross a multiple of `segment` (0: no limit), so a tile's rows are contiguous in
-/// a paged cache. `logits` holds rows x ld scalars.
+/// a paged cache. `logits` holds tile_rows(rows) x ld scalars (the logits, then the ops'
+/// spare rows).
 template <class T, class Ops>
 void attend_tiles(const Ops& ops, Index group, Index first, Index last, Index tile, Index segment,
                   T softcap, Index rows, Index width, T* logits, Index ld, T* max, T* sum, T* acc) {
+  T* spare = logits + rows * ld;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   constexpr Index P = packet_size<T>;
   for (Index t0 = first; t0 < last;) {
     Index n = std::min(tile, last - t0);
     if (segment > 0) n = std::min(n, segment - t0 % segment);
     const Index n_pad = (n + P - 1) / P * P;
-    ops.score(group, t0, n, logits, ld);
+    ops.score(group, t0, n, logits, ld, spare);
     for (Index i = 0; i < rows; ++i) {
       T* s = logits + i * ld;
       if (softcap > T(0)) cap_logits(s, n, softcap);
       std::fill(s + n, s + n_pad, neg_inf);
       softmax_tile_row(s, n_pad, max[i], sum[i], acc + i * width, width);
     }
-    ops.accumulate(group, t0, n, logits, ld, acc);
+    ops.accumulate(group, t0, n, logits, ld, acc, spare);
     t0 += n;
   }
 }
@@ -221,7 +229,7 @@ void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops&
     const Index group = unit / splits;
     const Index v0 = std::min(count, (unit % splits) * per_split);
     const Index v1 = std::min(count, v0 + per_split);
-    T* logits = scratch.scores.data() + thread * rows * ld;
+    T* logits = scratch.scores.data() + thread * tile_rows(rows) * ld;
     T* max = scratch.max.data() + unit * rows;
     T* sum = scratch.sum.data() + unit * rows;
     T* acc = scratch.acc.data() + unit * rows * width;
