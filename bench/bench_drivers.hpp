@@ -147,8 +147,9 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
   ReadSet weights;
   mech.add_attend_weights(weights, *base);
   const auto probe = base->template make_cache<S>();
+  using Element = kvattn::detail::storage_element_t<S>;  // scales aside: an estimate
   const double cache_estimate =
-      static_cast<double>(L) * static_cast<double>(probe.elements_per_token()) * sizeof(S);
+      static_cast<double>(L) * static_cast<double>(probe.elements_per_token()) * sizeof(Element);
   const int n = rotation_count(cache_estimate + weights.bytes());
   std::mt19937_64 rng(7);
   const auto pool = mech.make_pool(rng, std::min(L, kPoolRows));
@@ -210,8 +211,25 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
     cost.predicted_bytes = predicted.bytes;
     cost.predicted_flops = predicted.flops;
   }
-  report(state, cost, limits, T);
-  state.counters["block_bytes"] = benchmark::Counter(mech.block_bytes(L, sizeof(S)));
+  const double roofline_seconds = report(state, cost, limits, T);
+  state.counters["block_bytes"] = benchmark::Counter(mech.block_bytes(L, sizeof(Element)));
+  // A quantized cache against the bf16 one of the same row (decode_bf16/, earlier in the
+  // run): vs_bf16 = bf16 time / this time, its goal 0.85 x the ratio of their rooflines.
+  const std::string row = mech.name + "/L:" + std::to_string(L) + "/T:" + std::to_string(T);
+  if (!expanded && it > 0) {
+    const double per_step = step_seconds / static_cast<double>(it);
+    if constexpr (std::is_same_v<S, Eigen::bfloat16>) {
+      record_step("decode_bf16/" + row, {per_step, roofline_seconds});
+    }
+    if constexpr (kvattn::detail::is_quantized_storage<S>) {
+      const StepRecord bf16 = recorded_step("decode_bf16/" + row);
+      if (bf16.seconds > 0 && roofline_seconds > 0) {
+        state.counters["vs_bf16"] = benchmark::Counter(bf16.seconds / per_step);
+        state.counters["vs_bf16_goal"] =
+            benchmark::Counter(0.85 * bf16.roofline_seconds / roofline_seconds);
+      }
+    }
+  }
   if constexpr (std::is_same_v<S, float>) {
     if (!expanded && it > 0 && mech.has_naive()) {
       double naive = naive_seconds(mech.name, L, T);

@@ -213,7 +213,7 @@ void calibrate_gemm() {
 
 // ---- Counters --------------------------------------------------------------------------
 
-void report(benchmark::State& state, const Cost& cost, const Limits& limits, int threads) {
+double report(benchmark::State& state, const Cost& cost, const Limits& limits, int threads) {
   using benchmark::Counter;
   const double iterations = static_cast<double>(state.iterations());
   const double bw_ref = limits.bandwidth();
@@ -236,6 +236,7 @@ void report(benchmark::State& state, const Cost& cost, const Limits& limits, int
     state.counters["predicted_seconds"] =
         Counter(kvattn::analysis::roofline_seconds(predicted, {bw_ref, flop_ref}));
   }
+  return bound_seconds;
 }
 
 int rotation_count(double slot_bytes) {
@@ -280,6 +281,22 @@ double naive_seconds(const std::string& mech, Index L, int T) {
 
 void record_naive(const std::string& mech, Index L, int T, double seconds) {
   naive_times()[naive_key(mech, L, T)].push_back(seconds);
+}
+
+namespace {
+std::map<std::string, StepRecord>& step_records() {
+  static std::map<std::string, StepRecord> records;
+  return records;
+}
+}  // namespace
+
+void record_step(const std::string& name, const StepRecord& record) {
+  step_records()[name] = record;
+}
+
+StepRecord recorded_step(const std::string& name) {
+  const auto it = step_records().find(name);
+  return it == step_records().end() ? StepRecord{} : it->second;
 }
 
 std::shared_ptr<const void>& layer_slot(const std::string& key) {

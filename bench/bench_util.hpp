@@ -127,8 +127,9 @@ struct Cost {
 
 /// Sets bytes_per_second, bytes, cache_bytes, flops, bw_ref, flop_ref, roofline_frac
 /// and (with a prediction) predicted_seconds (measuring flop_ref now, with `threads`), and the
-/// label "bound:memory" or "bound:compute".
-void report(benchmark::State& state, const Cost& cost, const Limits& limits, int threads);
+/// label "bound:memory" or "bound:compute". Returns the roofline time of one step,
+/// max(bytes / bw_ref, flops / flop_ref), in seconds.
+double report(benchmark::State& state, const Cost& cost, const Limits& limits, int threads);
 
 // ---- Cache rotation -------------------------------------------------------------------
 
@@ -175,5 +176,17 @@ std::shared_ptr<const Layer> shared_layer(const std::string& key, Make make) {
 double naive_seconds(const std::string& mech, Index L, int T);
 /// Records one repetition of decode_naive/<mech>/L/T (its mean time per step).
 void record_naive(const std::string& mech, Index L, int T, double seconds);
+
+// ---- Rows measured against each other in one run (vs_bf16) ------------------------------
+
+/// One row's mean time per step and roofline time per step (report's return value).
+struct StepRecord {
+  double seconds = 0;
+  double roofline_seconds = 0;
+};
+/// Keeps the latest repetition of row `name` ("decode_bf16/mha/L:65536/T:1").
+void record_step(const std::string& name, const StepRecord& record);
+/// The record of row `name` from earlier in this run; seconds == 0 when it has not run.
+StepRecord recorded_step(const std::string& name);
 
 }  // namespace kvb

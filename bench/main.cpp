@@ -37,6 +37,10 @@
 //   decode_bf16/<mech>/L:<L>/T:<T>      the same step as decode/ on a bf16 cache
 //       (make_cache<Eigen::bfloat16>): mha at L 4096, 16384 and 65536, the others at
 //       16384 and 65536.
+//   decode_int8/<mech>/L:65536/T:<T>    the same step on an int8 cache (kvattn::Int8<128>:
+//       int8 codes, one fp32 scale per 128-element row); mha, gqa, mqa. bytes include
+//       the scales. Counters vs_bf16, vs_bf16_goal.
+//   decode_fp8/<mech>/L:65536/T:<T>     the same on an fp8 e4m3 cache (kvattn::Fp8E4M3<128>).
 //   layer_decode/<mech>/L:<L>/T:<T>     the whole layer step, layer.decode(x, cache,
 //       out, workspace, Threads{T}) (projections, append, attention over L + 1 tokens, W_O), then
 //       cache.truncate(L). L as decode.
@@ -130,6 +134,12 @@
 //                     naive per-head form re-reads it for every head of the group, so
 //                     once it exceeds the last-level cache the factored step must win
 //                     by the group size (the report's 1.5x target).
+//   vs_bf16           (decode_int8, decode_fp8) decode_bf16/<mech>'s time per step at the
+//                     same L and T, measured earlier in this run (its latest repetition),
+//                     / this row's; > 1 = the quantized cache is faster.
+//   vs_bf16_goal      0.85 x decode_bf16's roofline time / this row's roofline time (both
+//                     max(bytes / bw_ref, flops / flop_ref) from their own runs): the
+//                     speedup a quantized cache should reach (vs_bf16 >= vs_bf16_goal).
 //   vs_contiguous     (decode_paged) the contiguous cache's time per step / the paged
 //                     cache's; >= 0.95 is the goal (paging costs at most 5%).
 //   vs_separate       (decode_batch, decode_shared) the time of one decode call per

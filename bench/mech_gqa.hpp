@@ -60,12 +60,15 @@ struct GqaMech {
       cache.append(pool.keys.topRows(n), pool.values.topRows(n));
     }
   }
-  /// Every KV head's keys and values: 2 * n_kv * d_h elements per token.
+  /// Every KV head's key and value rows: 2 * n_kv rows per token (a quantized row with
+  /// its block scales).
   template <class S>
   void add_cache(ReadSet& set, const Cache<S>& cache) const {
+    using Element = typename Cache<S>::element_type;
+    const auto bytes = static_cast<std::size_t>(cache.tokens() * cache.row_stride()) * sizeof(Element);
     for (Index g = 0; g < config.n_kv_heads; ++g) {
-      set.add_dense(cache.keys(g));
-      set.add_dense(cache.values(g));
+      set.add(cache.key_row(g, 0), bytes);
+      set.add(cache.value_row(g, 0), bytes);
     }
   }
   /// attend reads no weight (the query comes projected).

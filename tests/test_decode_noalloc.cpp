@@ -165,6 +165,14 @@ void check_every_storage_and_thread_count(const Layer& layer, Index length) {
   }
 }
 
+// The GQA family also takes block-quantized caches (one block per row, and several).
+void check_quantized_storage(const GqaLayer<float>& layer, Index length) {
+  for (const Threads threads : {Threads{1}, Threads{2}}) {
+    check_no_allocation<Int8<128>>(layer, threads, length);
+    check_no_allocation<Fp8E4M3<16>>(layer, threads, length);
+  }
+}
+
 MlaConfig small_mla() {
   MlaConfig c;
   c.d_model = 48;
@@ -199,6 +207,10 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
   SECTION("MQA") {
     check_every_storage_and_thread_count(GqaLayer<float>::random(mqa_config(64, 8, 64, rope), 3),
                                          1100);
+  }
+  SECTION("GQA and MQA, quantized caches") {
+    check_quantized_storage(GqaLayer<float>::random(gqa_config(64, 8, 32, 2, rope), 2), 300);
+    check_quantized_storage(GqaLayer<float>::random(mqa_config(64, 8, 64, rope), 3), 1100);
   }
   SECTION("MLA") {
     const auto layer = MlaLayer<float>::random(small_mla(), 4);
