@@ -933,3 +933,44 @@ TEST_CASE("kvcalc --window --sink-tokens --max-rollback: the bytes of real windo
           21 * (global_cache.bytes() + local_cache.bytes()));
   }
 }
+
+TEST_CASE("kvcalc --dtype int8|fp8 --scale-block: the bytes of real quantized caches",
+          "[kvcalc][analysis][quantized]") {
+  // Real caches of the configs' shapes in the quantized formats (kvattn::Int8<B>,
+  // kvattn::Fp8E4M3<B>), filled with raw rows; kvcalc's total for the model must equal
+  // their bytes() times the layers, and the hand count below.
+  auto fill = [](auto& cache, const kvattn::GqaConfig& c, kvattn::Index tokens) {
+    std::mt19937_64 rng(6);
+    const auto rows = kvattn::random_normal<float>(tokens, c.kv_width(), rng);
+    cache.append(rows, rows);
+  };
+  const kvattn::GqaConfig llama = kvattn::gqa_config(4096, 32, 128, 8);
+  SECTION("Llama 3 8B, int8 with one scale per 128-element row") {
+    const json j = run_json({"--hf-config", data("llama3_8b.json"), "--seq-len", "1000",
+                             "--dtype", "int8", "--scale-block", "128"});
+    kvattn::GqaCache<float, kvattn::Int8<128>> cache(llama);
+    fill(cache, llama, 1000);
+    CHECK(row(j, "GQA").at("total_bytes").get<std::size_t>() == 32 * cache.bytes());
+    // 1,000 tokens x 2 (K, V) x 8 heads x (128 codes + one 4-byte scale) x 32 layers.
+    CHECK(row(j, "GQA").at("total_bytes") == 1000LL * 2 * 8 * 132 * 32);
+  }
+  SECTION("Llama 3 8B, fp8 with blocks of 32") {
+    const json j = run_json({"--hf-config", data("llama3_8b.json"), "--seq-len", "1000",
+                             "--dtype", "fp8", "--scale-block", "32"});
+    kvattn::GqaCache<float, kvattn::Fp8E4M3<32>> cache(llama);
+    fill(cache, llama, 1000);
+    CHECK(row(j, "GQA").at("total_bytes").get<std::size_t>() == 32 * cache.bytes());
+    CHECK(row(j, "GQA").at("total_bytes") == 1000LL * 2 * 8 * (128 + 4 * 4) * 32);
+  }
+  SECTION("Mistral 7B, fp8, windowed paged caches") {
+    const json j = run_json({"--hf-config", data("mistral_7b.json"), "--seq-len", "6000",
+                             "--dtype", "fp8", "--scale-block", "128"});
+    kvattn::GqaConfig c = llama;
+    c.window = 4096;
+    auto pool = kvattn::make_gqa_page_pool<kvattn::Fp8E4M3<128>>(c, 16, 512);
+    kvattn::PagedGqaCache<float, kvattn::Fp8E4M3<128>> cache(c, pool);
+    fill(cache, c, 6000);
+    CHECK(cache.tokens() == 4096);
+    CHECK(row(j, "GQA").at("total_bytes").get<std::size_t>() == 32 * cache.bytes());
+  }
+}

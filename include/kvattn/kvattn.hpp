@@ -39,6 +39,7 @@
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/index.hpp"
 #include "kvattn/core/mask.hpp"
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"

@@ -105,12 +105,10 @@ class TokenBuffer {
     RowMatrix<T> out(tokens_, width_);
     for (Index t = 0; t < tokens_; ++t) {
       const Element* r = row(b, t);
-      for (Index j = 0; j < width_; ++j) {
-        if constexpr (Traits::quantized) {
-          out(t, j) = static_cast<T>(Traits::value(r, width_, j));
-        } else {
-          out(t, j) = static_cast<T>(r[j]);
-        }
+      if constexpr (Traits::quantized) {
+        Traits::dequantize(r, width_, 0, width_, out.data() + t * width_);
+      } else {
+        for (Index j = 0; j < width_; ++j) out(t, j) = static_cast<T>(r[j]);
       }
     }
     return out;

@@ -42,15 +42,14 @@ using Fp8E4M3 = BlockQuantized<Dtype::fp8_e4m3, Block>;
 /// and 0xFF (NaN) are never stored by kvattn.
 struct fp8_e4m3 {
   std::uint8_t bits = 0;
-  /// The value the code stands for (exact in float).
+  /// The value the code stands for (exact in float). The sign, exponent and mantissa bits
+  /// moved under float's fields read as the value times 2^-120 (exponent bias 127 against
+  /// 7; e4m3's subnormals become float subnormals), so one exact multiply rebiases it; the
+  /// decode kernels do the same in vector registers (detail::load_codes).
   explicit operator float() const {
-    const int exponent = (bits >> 3) & 0xF;
-    const int mantissa = bits & 0x7;
-    const float magnitude = exponent == 0
-                                ? std::ldexp(static_cast<float>(mantissa), -9)
-                                : std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f,
-                                             exponent - 7);
-    return (bits & 0x80) != 0 ? -magnitude : magnitude;
+    const std::uint32_t sign = static_cast<std::uint32_t>(bits & 0x80) << 24;
+    const std::uint32_t rest = static_cast<std::uint32_t>(bits & 0x7F) << 20;
+    return std::bit_cast<float>(sign | rest) * 0x1p120f;
   }
   explicit operator double() const { return static_cast<double>(static_cast<float>(*this)); }
 };
@@ -104,9 +103,20 @@ struct StorageTraits<BlockQuantized<Code, Block>> {
     return s;
   }
   static float code_value(element code) { return static_cast<float>(code); }
-  /// Element j of the row, dequantized.
-  static float value(const element* row, Index w, Index j) {
-    return code_value(row[j]) * scale(row, w, j / Block);
+  /// Element j of the row, dequantized: code x scale, rounded once to T.
+  template <class T = float>
+  static T value(const element* row, Index w, Index j) {
+    return static_cast<T>(code_value(row[j])) * static_cast<T>(scale(row, w, j / Block));
+  }
+  /// Columns [col, col + n) of the row, dequantized into out[0, n).
+  template <class T>
+  static void dequantize(const element* row, Index w, Index col, Index n, T* out) {
+    for (Index j = 0; j < n;) {
+      const Index b = (col + j) / Block;
+      const Index end = std::min(n, (b + 1) * Block - col);
+      const T s = static_cast<T>(scale(row, w, b));
+      for (; j < end; ++j) out[j] = static_cast<T>(code_value(row[col + j])) * s;
+    }
   }
 
   /// Quantizes the w finite values get(0) ... get(w - 1) into `row` (codes, then scales).

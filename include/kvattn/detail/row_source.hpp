@@ -91,10 +91,7 @@ ConstRowsMap<T> rows_as(const RowSource<S>& source, Index t0, Index n, Index col
     using Traits = StorageTraits<S>;
     const auto* rows = source.row(t0);
     for (Index t = 0; t < n; ++t) {
-      for (Index j = 0; j < width; ++j) {
-        buffer[t * width + j] =
-            static_cast<T>(Traits::value(rows + t * stride, source.quantized_width, col + j));
-      }
+      Traits::dequantize(rows + t * stride, source.quantized_width, col, width, buffer + t * width);
     }
     return ConstRowsMap<T>(buffer, n, width, Eigen::OuterStride<>(width));
   } else {
