@@ -17,7 +17,7 @@ Benchmark names it understands (Google Benchmark ArgNames, a trailing
 
     <family>/<mech>/L:<L>/T:<threads>
 
-with family one of decode, decode_bf16, decode_naive, decode_precached,
+with family one of decode, decode_bf16, decode_int8, decode_fp8, decode_naive, decode_precached,
 decode_expanded, layer_decode, prefill, and `ref/...` for reference probes
 (appendix only). Counters read from each entry: bytes_per_second, flops, bytes,
 cache_bytes, block_bytes, bw_ref, flop_ref, roofline_frac, vs_naive. Any of them
@@ -55,13 +55,16 @@ FAMILIES = [
     "decode",
     "decode_naive",
     "decode_bf16",
+    "decode_int8",
+    "decode_fp8",
     "decode_precached",
     "layer_decode",
     "decode_expanded",
     "prefill",
 ]
 # Families whose rows get a "speedup vs expanded" (a decode step of some kind).
-DECODE_LIKE = {"decode", "decode_bf16", "decode_naive", "decode_precached", "layer_decode"}
+DECODE_LIKE = {"decode", "decode_bf16", "decode_int8", "decode_fp8", "decode_naive",
+               "decode_precached", "layer_decode"}
 # Memory-bound and compute-bound decode mechanisms (the roofline targets).
 MEMORY_BOUND = ("mha", "gqa", "lrkv")
 COMPUTE_BOUND = ("mqa", "mla", "mla_v2")
@@ -641,6 +644,25 @@ def evaluate_targets(entries, index, context=None):
         note = why_missing(index, [e.key], ["flops", "flop_ref"]) if value is None else ""
         targets.append(at_least(f"g) `prefill/{e.mech}` L=8192 T={e.T} (flops / time) / flop_ref",
                                 value, 0.50, note))
+
+    # h) quantized caches: roofline_frac >= 0.80, and the speedup over the bf16 cache
+    #    (vs_bf16) >= 0.85 x the ratio of the two roofline times (vs_bf16_goal).
+    for family in ("decode_int8", "decode_fp8"):
+        for mech in ("mha", "gqa", "mqa"):
+            for T in thread_counts:
+                key = (family, mech, big, T)
+                e = index.get(key)
+                if e is None:
+                    continue
+                targets.append(frac_target(f"h) `{family}/{mech}` L={big} T={T} roofline_frac",
+                                           key, 0.80))
+                goal = e.counter("vs_bf16_goal")
+                label = f"h) `{family}/{mech}` L={big} T={T} vs_bf16 (≥ vs_bf16_goal)"
+                if goal is None:
+                    targets.append(Target(label, "≥ vs_bf16_goal", None, None, "",
+                                          "no decode_bf16 row in this run"))
+                else:
+                    targets.append(at_least(label, e.counter("vs_bf16"), goal, fmt=fmt_ratio))
     return targets
 
 

@@ -38,9 +38,15 @@ void append_bytes(std::vector<unsigned char>& out, const Rows& rows) {
 template <class T, class S>
 CacheState state_of(const GqaCache<T, S>& cache) {
   CacheState s{cache.tokens(), cache.capacity(), cache.bytes(), cache.capacity_bytes(), {}};
+  // The stored rows themselves (a quantized cache's codes and scales included).
+  const auto bytes = static_cast<std::size_t>(cache.tokens() * cache.row_stride()) *
+                     sizeof(typename GqaCache<T, S>::element_type);
   for (Index g = 0; g < cache.config().n_kv_heads; ++g) {
-    append_bytes(s.rows, cache.keys(g));
-    append_bytes(s.rows, cache.values(g));
+    for (const void* rows : {static_cast<const void*>(cache.key_row(g, 0)),
+                             static_cast<const void*>(cache.value_row(g, 0))}) {
+      const auto* p = static_cast<const unsigned char*>(rows);
+      s.rows.insert(s.rows.end(), p, p + bytes);
+    }
   }
   return s;
 }
@@ -144,7 +150,7 @@ void check_layer(const std::string& name, const Layer& layer, Threads threads, R
     Cache warm = start;
     layer.prefill(x, warm, threads);
   }
-  const std::string label = name + (sizeof(S) == sizeof(T) ? " fp32" : " bf16");
+  const std::string label = name + " " + detail::storage_name<S>();
   CHECK(check_every_allocation_failure(label + " prefill", layer, start, threads,
                                        [&](Cache& c, Workspace&) { prefill(c, x, threads); }) > 0);
   CHECK(check_every_allocation_failure(label + " decode", layer, start, threads,

@@ -36,6 +36,8 @@ TEST_CASE("GQA-family calls keep the strong guarantee under allocation failure",
     for (const Threads threads : {Threads{1}, Threads{2}}) {
       test::check_layer<float>("GQA", layer, threads, rows_of, prefill);
       test::check_layer<Eigen::bfloat16>("GQA", layer, threads, rows_of, prefill);
+      test::check_layer<Int8<>>("GQA", layer, threads, rows_of, prefill);
+      test::check_layer<Fp8E4M3<4>>("GQA", layer, threads, rows_of, prefill);  // 2 blocks a row
     }
   }
 }
