@@ -65,7 +65,8 @@ struct GqaMech {
   template <class S>
   void add_cache(ReadSet& set, const Cache<S>& cache) const {
     using Element = typename Cache<S>::element_type;
-    const auto bytes = static_cast<std::size_t>(cache.tokens() * cache.row_stride()) * sizeof(Element);
+    const auto bytes =
+        static_cast<std::size_t>(cache.tokens() * cache.row_stride()) * sizeof(Element);
     for (Index g = 0; g < config.n_kv_heads; ++g) {
       set.add(cache.key_row(g, 0), bytes);
       set.add(cache.value_row(g, 0), bytes);

@@ -946,8 +946,8 @@ TEST_CASE("kvcalc --dtype int8|fp8 --scale-block: the bytes of real quantized ca
   };
   const kvattn::GqaConfig llama = kvattn::gqa_config(4096, 32, 128, 8);
   SECTION("Llama 3 8B, int8 with one scale per 128-element row") {
-    const json j = run_json({"--hf-config", data("llama3_8b.json"), "--seq-len", "1000",
-                             "--dtype", "int8", "--scale-block", "128"});
+    const json j = run_json({"--hf-config", data("llama3_8b.json"), "--seq-len", "1000", "--dtype",
+                             "int8", "--scale-block", "128"});
     kvattn::GqaCache<float, kvattn::Int8<128>> cache(llama);
     fill(cache, llama, 1000);
     CHECK(row(j, "GQA").at("total_bytes").get<std::size_t>() == 32 * cache.bytes());
@@ -955,16 +955,16 @@ TEST_CASE("kvcalc --dtype int8|fp8 --scale-block: the bytes of real quantized ca
     CHECK(row(j, "GQA").at("total_bytes") == 1000LL * 2 * 8 * 132 * 32);
   }
   SECTION("Llama 3 8B, fp8 with blocks of 32") {
-    const json j = run_json({"--hf-config", data("llama3_8b.json"), "--seq-len", "1000",
-                             "--dtype", "fp8", "--scale-block", "32"});
+    const json j = run_json({"--hf-config", data("llama3_8b.json"), "--seq-len", "1000", "--dtype",
+                             "fp8", "--scale-block", "32"});
     kvattn::GqaCache<float, kvattn::Fp8E4M3<32>> cache(llama);
     fill(cache, llama, 1000);
     CHECK(row(j, "GQA").at("total_bytes").get<std::size_t>() == 32 * cache.bytes());
     CHECK(row(j, "GQA").at("total_bytes") == 1000LL * 2 * 8 * (128 + 4 * 4) * 32);
   }
   SECTION("Mistral 7B, fp8, windowed paged caches") {
-    const json j = run_json({"--hf-config", data("mistral_7b.json"), "--seq-len", "6000",
-                             "--dtype", "fp8", "--scale-block", "128"});
+    const json j = run_json({"--hf-config", data("mistral_7b.json"), "--seq-len", "6000", "--dtype",
+                             "fp8", "--scale-block", "128"});
     kvattn::GqaConfig c = llama;
     c.window = 4096;
     auto pool = kvattn::make_gqa_page_pool<kvattn::Fp8E4M3<128>>(c, 16, 512);

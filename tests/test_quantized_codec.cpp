@@ -30,7 +30,8 @@ namespace {
 // the library: (-1)^s 2^(e-7) (1 + m/8) for e > 0, (-1)^s 2^-6 (m/8) for e = 0.
 double e4m3_value(std::uint8_t code) {
   const int s = code >> 7, e = (code >> 3) & 15, m = code & 7;
-  const double magnitude = e > 0 ? std::pow(2.0, e - 7) * (1.0 + m / 8.0) : std::pow(2.0, -6) * (m / 8.0);
+  const double magnitude =
+      e > 0 ? std::pow(2.0, e - 7) * (1.0 + m / 8.0) : std::pow(2.0, -6) * (m / 8.0);
   return s != 0 ? -magnitude : magnitude;
 }
 
@@ -96,8 +97,8 @@ void check_row(const std::vector<float>& x) {
       const double error = std::fabs(value - code * scale);
       // The bound, with the slack of the scale's own fp32 rounding (relative 2^-24 of the
       // value) and of the quotient x / scale computed in double.
-      const double bound = int8 ? scale / 2 : std::max(std::ldexp(std::fabs(value), -4),
-                                                       std::ldexp(scale, -10));
+      const double bound =
+          int8 ? scale / 2 : std::max(std::ldexp(std::fabs(value), -4), std::ldexp(scale, -10));
       CAPTURE(b, j, value, code, scale, error, bound);
       CHECK(error <= bound * (1 + 1e-12) + std::ldexp(std::fabs(value), -23));
     }
@@ -109,12 +110,12 @@ void check_row(const std::vector<float>& x) {
 
 TEST_CASE("e4m3 codes decode to the spec's values", "[quantized][codec]") {
   CHECK(static_cast<float>(fp8_e4m3{0x00}) == 0.0f);
-  CHECK(static_cast<float>(fp8_e4m3{0x01}) == std::ldexp(1.0f, -9));   // smallest subnormal
+  CHECK(static_cast<float>(fp8_e4m3{0x01}) == std::ldexp(1.0f, -9));  // smallest subnormal
   CHECK(static_cast<float>(fp8_e4m3{0x07}) == 7 * std::ldexp(1.0f, -9));
-  CHECK(static_cast<float>(fp8_e4m3{0x08}) == std::ldexp(1.0f, -6));   // smallest normal
+  CHECK(static_cast<float>(fp8_e4m3{0x08}) == std::ldexp(1.0f, -6));  // smallest normal
   CHECK(static_cast<float>(fp8_e4m3{0x38}) == 1.0f);
   CHECK(static_cast<float>(fp8_e4m3{0x3A}) == 1.25f);
-  CHECK(static_cast<float>(fp8_e4m3{0x7E}) == 448.0f);                 // largest finite
+  CHECK(static_cast<float>(fp8_e4m3{0x7E}) == 448.0f);  // largest finite
   CHECK(static_cast<float>(fp8_e4m3{0xB8}) == -1.0f);
   CHECK(static_cast<float>(fp8_e4m3{0xC0}) == -2.0f);
   for (int code = 0; code < 256; ++code) {
@@ -124,7 +125,8 @@ TEST_CASE("e4m3 codes decode to the spec's values", "[quantized][codec]") {
           e4m3_value(static_cast<std::uint8_t>(code)));
   }
   // The magnitudes increase strictly with the code: the format is monotonic.
-  for (int code = 1; code < 0x7F; ++code) CHECK(e4m3_value(std::uint8_t(code)) > e4m3_value(std::uint8_t(code - 1)));
+  for (int code = 1; code < 0x7F; ++code)
+    CHECK(e4m3_value(std::uint8_t(code)) > e4m3_value(std::uint8_t(code - 1)));
 }
 
 TEST_CASE("e4m3 encoding rounds to nearest even and saturates", "[quantized][codec]") {
@@ -134,15 +136,15 @@ TEST_CASE("e4m3 encoding rounds to nearest even and saturates", "[quantized][cod
     if (is_nan_code(code)) continue;
     CHECK(encode_e4m3(e4m3_value(std::uint8_t(code))) == code);
   }
-  CHECK(encode_e4m3(1.0625) == 0x38);  // halfway 1 .. 1.125: to the even mantissa (1)
-  CHECK(encode_e4m3(1.1875) == 0x3A);  // halfway 1.125 .. 1.25: to 1.25
-  CHECK(encode_e4m3(1.07) == 0x39);    // past halfway: up
-  CHECK(encode_e4m3(std::ldexp(1.0, -10)) == 0x00);      // halfway 0 .. 2^-9: to 0
-  CHECK(encode_e4m3(3 * std::ldexp(1.0, -10)) == 0x02);  // halfway 2^-9 .. 2^-8: to 2^-8
+  CHECK(encode_e4m3(1.0625) == 0x38);                // halfway 1 .. 1.125: to the even mantissa (1)
+  CHECK(encode_e4m3(1.1875) == 0x3A);                // halfway 1.125 .. 1.25: to 1.25
+  CHECK(encode_e4m3(1.07) == 0x39);                  // past halfway: up
+  CHECK(encode_e4m3(std::ldexp(1.0, -10)) == 0x00);  // halfway 0 .. 2^-9: to 0
+  CHECK(encode_e4m3(3 * std::ldexp(1.0, -10)) == 0x02);   // halfway 2^-9 .. 2^-8: to 2^-8
   CHECK(encode_e4m3(15 * std::ldexp(1.0, -10)) == 0x08);  // halfway 7 .. 8 x 2^-9: to 2^-6
-  CHECK(encode_e4m3(248.0) == 0x78);   // halfway 240 (m = 7) .. 256: the carry to 2^8
+  CHECK(encode_e4m3(248.0) == 0x78);  // halfway 240 (m = 7) .. 256: the carry to 2^8
   CHECK(encode_e4m3(-3.5) == 0xC6);
-  CHECK(encode_e4m3(460.0) == 0x7E);   // beyond 448 saturates (never 0x7F, NaN)
+  CHECK(encode_e4m3(460.0) == 0x7E);  // beyond 448 saturates (never 0x7F, NaN)
   CHECK(encode_e4m3(1e30) == 0x7E);
 }
 
@@ -233,7 +235,8 @@ void check_kernels(Index G, Index n, Index w, std::uint64_t seed) {
     for (Index j = 0; j < w; ++j) {
       double want = 0.5, size = 0.5;
       for (Index t = 0; t < n; ++t) {
-        const double term = double(weights[std::size_t(i * ld + t)]) * dequantized[std::size_t(t * w + j)];
+        const double term =
+            double(weights[std::size_t(i * ld + t)]) * dequantized[std::size_t(t * w + j)];
         want += term;
         size += std::fabs(term);
       }

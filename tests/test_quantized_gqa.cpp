@@ -68,8 +68,9 @@ std::vector<double> decode_row(const void* row, Index dh) {
   for (Index j = 0; j < dh; ++j) {
     float scale;
     std::memcpy(&scale, bytes + dh + 4 * (j / S::block), 4);
-    const double code = S::code == Dtype::int8 ? static_cast<double>(static_cast<std::int8_t>(bytes[j]))
-                                               : e4m3_value(bytes[j]);
+    const double code = S::code == Dtype::int8
+                            ? static_cast<double>(static_cast<std::int8_t>(bytes[j]))
+                            : e4m3_value(bytes[j]);
     out[static_cast<std::size_t>(j)] = code * scale;
   }
   return out;
@@ -124,7 +125,8 @@ void check_within_bound(const MatF& appended, const MatD& stored, Index dh) {
   }
 }
 
-GqaCache<double> double_cache(const GqaLayer<double>& dlayer, const MatD& keys, const MatD& values) {
+GqaCache<double> double_cache(const GqaLayer<double>& dlayer, const MatD& keys,
+                              const MatD& values) {
   auto cache = dlayer.make_cache();
   cache.append(keys, values);
   return cache;
@@ -151,8 +153,10 @@ void check_rows_and_attend(const GqaConfig& c, Index length, std::uint64_t seed)
   check_within_bound<S>(values, stored_values, c.head_dim);
   // keys(g) / values(g): the same rows, code x scale rounded once to float.
   for (Index g = 0; g < c.n_kv_heads; ++g) {
-    CHECK(cache.keys(g) == stored_keys.middleCols(g * c.head_dim, c.head_dim).cast<float>());
-    CHECK(cache.values(g) == stored_values.middleCols(g * c.head_dim, c.head_dim).cast<float>());
+    CHECK(cache.keys(g) ==
+          stored_keys.middleCols(g * c.head_dim, c.head_dim).template cast<float>());
+    CHECK(cache.values(g) ==
+          stored_values.middleCols(g * c.head_dim, c.head_dim).template cast<float>());
   }
 
   // Bytes: the hand count, and the analysis for the format.
@@ -165,7 +169,8 @@ void check_rows_and_attend(const GqaConfig& c, Index length, std::uint64_t seed)
   CHECK(cache.bytes() == static_cast<std::size_t>(hand_bytes_per_token<S>(c)) * tokens);
   CHECK(cache.bytes() ==
         static_cast<std::size_t>(an::bytes_per_token_per_layer(layout, storage)) * tokens);
-  CHECK(cache.bytes() == static_cast<std::size_t>(an::total_bytes(layout, storage, {1}, {length, 1})));
+  CHECK(cache.bytes() ==
+        static_cast<std::size_t>(an::total_bytes(layout, storage, {1}, {length, 1})));
   CHECK(cache.capacity_bytes() ==
         static_cast<std::size_t>(an::total_bytes(layout, storage, {1}, {cache.capacity(), 1})));
   CHECK(cache.elements_per_token() == layout.elements());
@@ -177,8 +182,10 @@ void check_rows_and_attend(const GqaConfig& c, Index length, std::uint64_t seed)
   CHECK(paged.bytes() == cache.bytes());
   for (Index t = 0; t < length; ++t) {
     for (Index g = 0; g < c.n_kv_heads; ++g) {
-      REQUIRE(std::memcmp(paged.key_row(g, t), cache.key_row(g, t), std::size_t(cache.row_stride())) == 0);
-      REQUIRE(std::memcmp(paged.value_row(g, t), cache.value_row(g, t), std::size_t(cache.row_stride())) == 0);
+      REQUIRE(std::memcmp(paged.key_row(g, t), cache.key_row(g, t),
+                          std::size_t(cache.row_stride())) == 0);
+      REQUIRE(std::memcmp(paged.value_row(g, t), cache.value_row(g, t),
+                          std::size_t(cache.row_stride())) == 0);
     }
   }
 
@@ -227,11 +234,10 @@ void check_prefill_and_decode(const GqaConfig& c, std::uint64_t seed) {
   for (Index i = 0; i < second; i += 7) {
     const Index visible = first + i + 1;
     const MatD q = project_query(dlayer, x.row(first + i).cast<double>());
-    const MatD want = reference::decode_step(dlayer,
-                                             double_cache(dlayer, keys.topRows(visible),
-                                                          values.topRows(visible)),
-                                             q) *
-                      dlayer.weights().w_o;
+    const MatD want =
+        reference::decode_step(
+            dlayer, double_cache(dlayer, keys.topRows(visible), values.topRows(visible)), q) *
+        dlayer.weights().w_o;
     CAPTURE(i);
     CHECK(relative_error(chunk.row(i), want) <= kFloatTolerance);
   }
@@ -243,8 +249,8 @@ void check_prefill_and_decode(const GqaConfig& c, std::uint64_t seed) {
     layer.decode(x.row(t), full, out_full, threads);
     const auto [k, v] = stored_rows(cache);
     const MatD q = project_query(dlayer, x.row(t).cast<double>());
-    const MatD want = reference::decode_step(dlayer, double_cache(dlayer, k, v), q) *
-                      dlayer.weights().w_o;
+    const MatD want =
+        reference::decode_step(dlayer, double_cache(dlayer, k, v), q) * dlayer.weights().w_o;
     CAPTURE(s);
     CHECK(relative_error(out, want) <= kFloatTolerance);
     max_vs_fp32 = std::max(max_vs_fp32, relative_error(out, out_full));
@@ -293,7 +299,9 @@ void check_format(Index length) {
 }  // namespace
 
 TEST_CASE("int8 caches, one scale per row", "[quantized]") { check_format<Int8<128>>(600); }
-TEST_CASE("int8 caches, blocks of 32 along each row", "[quantized]") { check_format<Int8<32>>(300); }
+TEST_CASE("int8 caches, blocks of 32 along each row", "[quantized]") {
+  check_format<Int8<32>>(300);
+}
 TEST_CASE("fp8 e4m3 caches, one scale per row", "[quantized]") { check_format<Fp8E4M3<128>>(600); }
 TEST_CASE("fp8 e4m3 caches, blocks of 16 along each row", "[quantized]") {
   check_format<Fp8E4M3<16>>(300);
@@ -319,7 +327,8 @@ void check_refused(const GqaLayer<float>& layer, Cache& cache, const PagePool* p
   };
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  MatF keys = random_input<float>(3, c.kv_width(), 3), values = random_input<float>(3, c.kv_width(), 4);
+  MatF keys = random_input<float>(3, c.kv_width(), 3),
+       values = random_input<float>(3, c.kv_width(), 4);
   keys(1, 2) = nan;
   CHECK_THROWS_AS(cache.append(keys, values), value_error);
   unchanged();

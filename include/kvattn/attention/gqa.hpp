@@ -32,8 +32,8 @@
 #include "kvattn/detail/batch_attention.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
-#include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/quantized_kernels.hpp"
+#include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
 namespace kvattn {
@@ -501,8 +501,8 @@ class GqaLayer {
                   bool values) const {
     using S = typename Cache::storage_type;
     const Index stride = cache.row_stride();
-    detail::RowSource<S> source{
-        nullptr, stride, fresh + g * stride, config_.n_kv_heads * stride, cache.sequence_length()};
+    detail::RowSource<S> source{nullptr, stride, fresh + g * stride, config_.n_kv_heads * stride,
+                                cache.sequence_length()};
     source.quantized_width = config_.head_dim;
     if constexpr (requires { cache.page_tokens(); }) {
       source.paged = &cache.rows_;

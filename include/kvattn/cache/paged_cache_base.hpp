@@ -15,8 +15,8 @@
 #include "kvattn/config/rules.hpp"
 #include "kvattn/core/dtype.hpp"
 #include "kvattn/core/errors.hpp"
-#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/index.hpp"
+#include "kvattn/core/quantized.hpp"
 
 namespace kvattn::detail {
 
@@ -25,8 +25,8 @@ namespace kvattn::detail {
 template <class S>
 std::string page_layout_name(const std::string& cache, const std::string& config,
                              Index page_tokens) {
-  return cache + " " + config + " " + storage_name<S>() + ", " +
-         std::to_string(page_tokens) + " tokens per page";
+  return cache + " " + config + " " + storage_name<S>() + ", " + std::to_string(page_tokens) +
+         " tokens per page";
 }
 
 /// The members every paged cache has. `Config` is the mechanism's config type.

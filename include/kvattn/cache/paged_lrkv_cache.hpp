@@ -55,9 +55,10 @@ std::shared_ptr<PagePool> make_lrkv_page_pool(const LrkvConfig& config, Index pa
 template <class T, class S = T>
 class PagedLrkvCache : public detail::PagedCacheBase<LrkvConfig> {
  public:
-  static_assert(!detail::is_quantized_storage<S>,
-                "kvattn::PagedLrkvCache: block-quantized storage (Int8, Fp8E4M3) is not implemented for "
-                "this mechanism yet; GqaCache and PagedGqaCache take it (docs/api.md)");
+  static_assert(
+      !detail::is_quantized_storage<S>,
+      "kvattn::PagedLrkvCache: block-quantized storage (Int8, Fp8E4M3) is not implemented for "
+      "this mechanism yet; GqaCache and PagedGqaCache take it (docs/api.md)");
   using compute_type = T;
   using storage_type = S;
   using rows_type = typename LrkvCache<T, S>::rows_type;

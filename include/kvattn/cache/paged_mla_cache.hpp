@@ -44,9 +44,10 @@ std::shared_ptr<PagePool> make_mla_page_pool(const MlaConfig& config, Index page
 template <class T, class S = T>
 class PagedMlaCache : public detail::PagedCacheBase<MlaConfig> {
  public:
-  static_assert(!detail::is_quantized_storage<S>,
-                "kvattn::PagedMlaCache: block-quantized storage (Int8, Fp8E4M3) is not implemented for "
-                "this mechanism yet; GqaCache and PagedGqaCache take it (docs/api.md)");
+  static_assert(
+      !detail::is_quantized_storage<S>,
+      "kvattn::PagedMlaCache: block-quantized storage (Int8, Fp8E4M3) is not implemented for "
+      "this mechanism yet; GqaCache and PagedGqaCache take it (docs/api.md)");
   using compute_type = T;
   using storage_type = S;
   using rows_type = typename MlaCache<T, S>::rows_type;

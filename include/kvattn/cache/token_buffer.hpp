@@ -31,8 +31,7 @@ class TokenBuffer {
   using Traits = StorageTraits<S>;
   using Element = typename Traits::element;
   using Block = Eigen::Map<RowMatrix<Element>, Eigen::Unaligned, Eigen::OuterStride<>>;
-  using ConstBlock =
-      Eigen::Map<const RowMatrix<Element>, Eigen::Unaligned, Eigen::OuterStride<>>;
+  using ConstBlock = Eigen::Map<const RowMatrix<Element>, Eigen::Unaligned, Eigen::OuterStride<>>;
 
   TokenBuffer() = default;
   TokenBuffer(Index blocks, Index width)

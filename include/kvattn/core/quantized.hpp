@@ -162,7 +162,8 @@ void require_finite(const char* where, const char* what, const Matrix& rows) {
     for (Index j = 0; j < rows.cols(); ++j) {
       if (!std::isfinite(static_cast<double>(rows(i, j)))) {
         throw value_error(std::string(where) + ": " + what + "(" + std::to_string(i) + ", " +
-                          std::to_string(j) + ") is " + std::to_string(static_cast<double>(rows(i, j))) +
+                          std::to_string(j) + ") is " +
+                          std::to_string(static_cast<double>(rows(i, j))) +
                           "; a quantized cache stores finite values only (its block scale "
                           "would be meaningless)");
       }
