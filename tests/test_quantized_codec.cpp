@@ -21,19 +21,13 @@
 
 #include "kvattn/core/quantized.hpp"
 #include "kvattn/detail/quantized_kernels.hpp"
+#include "quantized_util.hpp"
 
 using namespace kvattn;
+using kvattn::test::e4m3_value;
+using kvattn::test::stored_scale;
 
 namespace {
-
-// The value of an e4m3 code from the spec's definition, written out independently of
-// the library: (-1)^s 2^(e-7) (1 + m/8) for e > 0, (-1)^s 2^-6 (m/8) for e = 0.
-double e4m3_value(std::uint8_t code) {
-  const int s = code >> 7, e = (code >> 3) & 15, m = code & 7;
-  const double magnitude =
-      e > 0 ? std::pow(2.0, e - 7) * (1.0 + m / 8.0) : std::pow(2.0, -6) * (m / 8.0);
-  return s != 0 ? -magnitude : magnitude;
-}
 
 bool is_nan_code(int code) { return (code & 0x7F) == 0x7F; }
 
@@ -44,13 +38,6 @@ double code_value(const detail::storage_element_t<S>& code) {
   } else {
     return e4m3_value(code.bits);
   }
-}
-
-// The scale of block b of a row of w values, read from the bytes after the w codes.
-float scale_bytes_at(const void* row, Index w, Index b) {
-  float s;
-  std::memcpy(&s, static_cast<const unsigned char*>(row) + w + 4 * b, 4);
-  return s;
 }
 
 std::vector<float> normal_row(Index w, std::uint64_t seed, float outlier = 0.0f) {
@@ -85,7 +72,7 @@ void check_row(const std::vector<float>& x) {
     const Index j0 = b * B, j1 = std::min(w, j0 + B);
     double amax = 0.0;
     for (Index j = j0; j < j1; ++j) amax = std::max(amax, std::fabs(double(x[std::size_t(j)])));
-    const double scale = scale_bytes_at(row.data(), w, b);
+    const double scale = stored_scale(row.data(), w, b);
     CHECK(scale == static_cast<double>(static_cast<float>(amax / code_max)));
     double largest_code = 0.0;
     for (Index j = j0; j < j1; ++j) {
@@ -162,12 +149,12 @@ TEST_CASE("quantized rows: layout, scales and error bounds", "[quantized][codec]
   // Ties to even in int8: a block whose largest magnitude is 127 has scale 1.
   const std::vector<float> ties{127.0f, 0.5f, 1.5f, 2.5f, -0.5f, -2.5f, 3.49f};
   const auto row = encode_row<Int8<128>>(ties);
-  CHECK(scale_bytes_at(row.data(), 7, 0) == 1.0f);
+  CHECK(stored_scale(row.data(), 7, 0) == 1.0f);
   const std::vector<int> want{127, 0, 2, 2, 0, -2, 3};
   for (std::size_t j = 0; j < want.size(); ++j) CHECK(int(row[j]) == want[j]);
   // An all-zero block: scale 0, codes 0, decoding to 0.
   const auto zeros = encode_row<Fp8E4M3<128>>(std::vector<float>(40, 0.0f));
-  CHECK(scale_bytes_at(zeros.data(), 40, 0) == 0.0f);
+  CHECK(stored_scale(zeros.data(), 40, 0) == 0.0f);
   for (Index j = 0; j < 40; ++j) CHECK(zeros[std::size_t(j)].bits == 0);
 }
 
@@ -209,7 +196,7 @@ void check_kernels(Index G, Index n, Index w, std::uint64_t seed) {
     std::copy(row.begin(), row.end(), rows.begin() + t * stride);
     for (Index j = 0; j < w; ++j) {
       dequantized[std::size_t(t * w + j)] =
-          code_value<S>(row[std::size_t(j)]) * scale_bytes_at(row.data(), w, j / S::block);
+          code_value<S>(row[std::size_t(j)]) * stored_scale(row.data(), w, j / S::block);
     }
   }
   const auto q = normal_row(G * w, seed + 1000);
