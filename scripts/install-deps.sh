@@ -16,7 +16,9 @@ packages=(
   catch2               # Catch2 2.13, the tests
   libbenchmark-dev     # Google Benchmark 1.7, the benchmarks
   nlohmann-json3-dev   # JSON: kvattn::hf_config, kvcalc, the tests, benchmark reports
-  clang-14             # the fuzz preset's compiler (scripts/fuzz.sh, scripts/fuzz-ci.sh)
+  clang-14             # the sanitize and fuzz presets' compiler (scripts/sanitize.sh,
+                       # scripts/fuzz.sh, scripts/fuzz-ci.sh)
+  libomp-14-dev        # clang's OpenMP runtime, for the sanitize preset's threaded tests
   libclang-rt-14-dev   # libFuzzer and the sanitizer runtimes: only a Recommends of
                        # clang-14, which --no-install-recommends would skip
   python3              # scripts/bench_report.py, the benchmark report

@@ -38,6 +38,8 @@ RowMatrix<T> forward(const LrkvLayer<T>& layer, const ConstMatrixRef<std::type_i
   const LrkvWeights<T>& w = layer.weights();
   detail::check_shape("reference::forward", "x", x, -1, c.d_model);
   const Index L = x.rows();
+  // Column blocks of an empty (null) matrix would offset a null pointer.
+  if (L == 0) return RowMatrix<T>(0, c.d_model);
   const Index dh = c.head_dim;
   const Index r = c.rank;
   const Index dr = c.decoupled_dim();
