@@ -99,10 +99,11 @@ struct BatchScratch {
 /// final rows (s * groups + g) * rows + j. With one (prefix > 0), a source-B unit per
 /// group (and range) covers [0, prefix) for all B sequences' rows of the group stacked,
 /// and each sequence's own units cover [prefix, L_s). A range is split only when the
-/// units would not keep `threads` threads busy, into pieces of at least four tiles; a
+/// units would not keep `threads` threads busy, into pieces of at least four granules
+/// (split_granule); a
 /// prefix range, which carries every sequence's query rows (B times a sequence unit's
 /// arithmetic per token), is also cut into at least 2 x threads pieces of at least four
-/// tiles, so that with one group (MQA, MLA) it is not one thread's work while the others
+/// granules, so that with one group (MQA, MLA) it is not one thread's work while the others
 /// wait. With a sliding window (span.window > 0; prefix must be 0) a sequence's units
 /// cover only the tokens its new token sees: its sink tokens and its window. Allocates
 /// only when the unit list outgrows its capacity.
@@ -118,16 +119,18 @@ void plan_batch_units(std::vector<BatchUnit>& units, Index& slot, std::span<Cach
   }
   total *= static_cast<double>(groups);
   const Index sources = batch + (prefix > 0 ? 1 : 0);
+  const Index granule = split_granule(tile);
   Index chunk = std::numeric_limits<Index>::max();
   if (threads > 1 && sources * groups < 4 * Index{threads}) {
     const Index per_unit = static_cast<Index>(total / (4.0 * threads));
-    chunk = std::max<Index>(4 * tile, (per_unit / tile + 1) * tile);
+    chunk = std::max<Index>(4 * granule, (per_unit / granule + 1) * granule);
   }
   Index prefix_chunk = chunk;
   if (threads > 1 && prefix > 0) {
     const Index pieces = 2 * Index{threads};
     const Index piece = (prefix + pieces - 1) / pieces;
-    prefix_chunk = std::min(chunk, std::max<Index>(4 * tile, (piece + tile - 1) / tile * tile));
+    prefix_chunk =
+        std::min(chunk, std::max<Index>(4 * granule, (piece + granule - 1) / granule * granule));
   }
   auto add = [&](Index source, Index g, Index first, Index end, Index unit_rows, Index target,
                  Index block, Index block_stride) {

@@ -10,16 +10,14 @@
 // share the keys (a KV group, MLA's latent, LRKV's shared key), seg = r for LRKV's
 // per-head residual slices.
 //
-//   score_rows       logits = Q K_tile^T: blocks of M query rows x B tokens, one
-//                    accumulator packet per (row, token) in flight (12 on 16-register
-//                    ISAs, 16 on 32-register ones: enough independent FMA chains to
-//                    cover the FMA latency), so a query packet serves B tokens and a
-//                    shared key packet M rows; a block's dot products are reduced
-//                    together, P at a time, by one transpose-and-add (sum_lanes),
-//                    never one horizontal sum per token. The B tokens of a block are
-//                    not neighbours but B lanes spread over the tile, each walking its
-//                    own stretch front to back, so the hardware prefetcher sees B long
-//                    sequential streams (see score_block).
+//   score_rows       logits = Q K_tile^T: blocks of M query rows x B adjacent tokens,
+//                    one accumulator packet per (row, token) in flight (12 on
+//                    16-register ISAs, 16 on 32-register ones: enough independent FMA
+//                    chains to cover the FMA latency), so a query packet serves B tokens
+//                    and a key packet M rows; a block's dot products are reduced
+//                    together, P at a time, by one transpose-and-add (sum_lanes), never
+//                    one horizontal sum per token. The tile is read front to back, one
+//                    sequential stream, which the caller's Prefetcher runs ahead of.
 //   accumulate_rows  acc (G x d_v) += W V_tile: M rows x D packets of columns held in
 //                    registers while the tokens stream by (one broadcast weight per row
 //                    and D value packets per token).
@@ -73,19 +71,14 @@ inline constexpr int kShared = 0;
 inline constexpr int kSegmented = 1;
 inline constexpr int kPaired = 2;
 
-// One score block: rows [0, M) of q (row stride q_stride, dk wide, dk >= P) against B
-// tokens of k: lane b takes token t0 + b * span (< n; lanes past n re-read the last
-// row, never memory past the tile, and their sums are dropped). Row m reads
-// k + m * seg when Segmented. out (row stride ld) is the logits of row 0 at token t0.
-//
-// The lanes are span tokens apart, each walking its own contiguous stretch of the
-// tile (score_rows sets span = the tile / B): read side by side, B neighbouring rows
-// are B streams of one row each, too short for the hardware prefetchers, while B
-// stretches are B long sequential streams that they follow.
+// One score block: rows [0, M) of q (row stride q_stride, dk wide, dk >= P) against the
+// B adjacent tokens t0 ... t0 + B - 1 of k (tokens past n re-read the last row, never
+// memory past the tile, and their sums are dropped). Row m reads k + m * seg when
+// Segmented. out (row stride ld) is the logits of row 0 at token t0.
 template <class T, class S, int M, int B, int Layout>
 inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index k_stride, Index seg,
-                        Index t0, Index span, Index n, T* out, Index ld, bool add,
-                        Prefetcher* prefetch, const SecondDot<T>* second) {
+                        Index t0, Index n, T* out, Index ld, bool add, Prefetcher* prefetch,
+                        const SecondDot<T>* second) {
   constexpr bool Segmented = Layout == kSegmented;
   constexpr bool Paired = Layout == kPaired;
   (void)Segmented, (void)Paired;
@@ -94,7 +87,7 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
   constexpr int R = static_cast<int>((A + P - 1) / P);  // packets of sums
   const S* row[B];
   KVATTN_UNROLL
-  for (int b = 0; b < B; ++b) row[b] = k + std::min(t0 + b * span, n - 1) * k_stride;
+  for (int b = 0; b < B; ++b) row[b] = k + std::min(t0 + b, n - 1) * k_stride;
   Packet<T> acc[R * P];
   KVATTN_UNROLL
   for (int a = 0; a < R * P; ++a) acc[a] = ei::pset1<Packet<T>>(T(0));
@@ -187,8 +180,8 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
   for (int m = 0; m < M; ++m) {
     KVATTN_UNROLL
     for (int b = 0; b < B; ++b) {
-      if (t0 + b * span < n) {
-        T& o = out[m * ld + b * span];
+      if (t0 + b < n) {
+        T& o = out[m * ld + b];
         o = add ? o + lanes[m * B + b] : lanes[m * B + b];
       }
     }
@@ -199,17 +192,17 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
 // B (the first block's, kBlockAccumulators / its rows), so all share one lane layout.
 constexpr int score_lanes(Index G) { return kBlockAccumulators / block_rows(G); }
 
-// One block of rows [i0, i0 + M) at step i (tokens i, i + span, ...), B lanes.
+// One block of rows [i0, i0 + M) against tokens t0 ... t0 + B - 1.
 template <class T, class S, int Layout, int B>
 inline void score_step(int M, const T* q, Index q_stride, Index dk, const S* k, Index k_stride,
-                       Index seg, Index i0, Index i, Index span, Index n, T* logits, Index ld,
-                       bool add, Prefetcher* prefetch, const SecondDot<T>* second) {
+                       Index seg, Index i0, Index t0, Index n, T* logits, Index ld, bool add,
+                       Prefetcher* prefetch, const SecondDot<T>* second) {
   constexpr bool Segmented = Layout == kSegmented;
   constexpr bool Paired = Layout == kPaired;
   (void)Segmented, (void)Paired;
   const T* qi = q + i0 * q_stride;
   const S* ki = Segmented ? k + i0 * seg : k;
-  T* out = logits + i0 * ld + i;
+  T* out = logits + i0 * ld + t0;
   SecondDot<T> chunk;  // the second dot's rows [i0, i0 + M)
   if (second != nullptr) {
     chunk = *second;
@@ -219,22 +212,23 @@ inline void score_step(int M, const T* q, Index q_stride, Index dk, const S* k, 
   const SecondDot<T>* sd = second != nullptr ? &chunk : nullptr;
   if (M == 4) {
     if constexpr (4 * B <= kBlockAccumulators)
-      score_block<T, S, 4, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld, add,
+      score_block<T, S, 4, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, t0, n, out, ld, add,
                                       prefetch, sd);
   } else if (M == 2) {
     if constexpr (2 * B <= kBlockAccumulators)
-      score_block<T, S, 2, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld, add,
+      score_block<T, S, 2, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, t0, n, out, ld, add,
                                       prefetch, sd);
   } else {
-    score_block<T, S, 1, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, i, span, n, out, ld, add,
+    score_block<T, S, 1, B, Layout>(qi, q_stride, dk, ki, k_stride, seg, t0, n, out, ld, add,
                                     prefetch, sd);
   }
 }
 
-// Steps are the outer loop: the B rows a step reads come from memory once and serve
-// every block of query rows from L1. (Per FMA a block loads 32 / M bytes of keys and
-// 32 / B of queries: the keys must be the operand in L1; the queries, up to MLA-V2's
-// 128 x 576, may stream from L2.)
+// Blocks of B adjacent tokens, front to back: the tile is one sequential stream. Within
+// a block the rows [i0, i0 + M) of every register block take the same B key rows, which
+// the first has brought into L1. (Per FMA a block loads 64 / M bytes of keys and 64 / B
+// of queries on AVX-512: the keys must be the operand in L1; the queries, up to
+// MLA-V2's 128 x 576, may stream from L2.)
 template <class T, class S, int Layout, int B>
 void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
                       Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch,
@@ -243,16 +237,16 @@ void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k,
   constexpr bool Paired = Layout == kPaired;
   (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
-  const Index span = (n + B - 1) / B;
+  const Index blocks = (n + B - 1) / B;
   Index chunks = 0;
   for (Index i0 = 0; i0 < G; i0 += block_rows(G - i0)) ++chunks;
   const Index dk2 = second != nullptr ? second->dk : 0;
-  if (prefetch != nullptr) prefetch->plan(chunks * span * ((dk + P - 1) / P + (dk2 + P - 1) / P));
-  for (Index i = 0; i < span; ++i) {
+  if (prefetch != nullptr) prefetch->plan(chunks * blocks * ((dk + P - 1) / P + (dk2 + P - 1) / P));
+  for (Index t0 = 0; t0 < n; t0 += B) {
     for (Index i0 = 0; i0 < G;) {
       const int M = block_rows(G - i0);
-      score_step<T, S, Layout, B>(M, q, q_stride, dk, k, k_stride, seg, i0, i, span, n, logits, ld,
-                                  add, prefetch, second);
+      score_step<T, S, Layout, B>(M, q, q_stride, dk, k, k_stride, seg, i0, t0, n, logits, ld, add,
+                                  prefetch, second);
       i0 += M;
     }
   }

@@ -228,6 +228,42 @@ inline Packet<T> sum_lanes(const Packet<T>* acc) {
                          _mm256_permute2f128_ps(g0, g1, 0x31));
   }
 #endif
+#if defined(EIGEN_VECTORIZE_AVX512)
+  if constexpr (std::is_same_v<T, float> && P == 16) {
+    // A halving tree, 30 shuffles and 15 adds where a full 16 x 16 transpose takes 64
+    // shuffles: each level adds the two halves of pairs of packets (256-bit halves, then
+    // 128-bit quarters, then pairs of lanes, then lanes), two sources per result. Fed in
+    // the order 0, 4, 8, 12, 1, 5, ... (a 4 x 4 transpose of the indices), the tree
+    // leaves the sum of acc[k] in lane k.
+    auto fold = [](__m512 a, __m512 b, auto shuffle) {
+      return _mm512_add_ps(shuffle(a, b, std::integral_constant<int, 0>{}),
+                           shuffle(a, b, std::integral_constant<int, 1>{}));
+    };
+    auto halves = [](__m512 a, __m512 b, auto hi) {
+      return _mm512_shuffle_f32x4(a, b, decltype(hi)::value ? 0xEE : 0x44);
+    };
+    auto quarters = [](__m512 a, __m512 b, auto hi) {
+      return _mm512_shuffle_f32x4(a, b, decltype(hi)::value ? 0xDD : 0x88);
+    };
+    auto lanes = [](__m512 a, __m512 b, auto hi) {
+      return _mm512_shuffle_ps(a, b, decltype(hi)::value ? 0xDD : 0x88);
+    };
+    __m512 level1[8];
+    KVATTN_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      // Pair i holds sources order[2i], order[2i + 1], order[k] = (k % 4) * 4 + k / 4.
+      const int first = (2 * i % 4) * 4 + 2 * i / 4,
+                second = ((2 * i + 1) % 4) * 4 + (2 * i + 1) / 4;
+      level1[i] = fold(acc[first], acc[second], halves);
+    }
+    __m512 level2[4];
+    KVATTN_UNROLL
+    for (int i = 0; i < 4; ++i) level2[i] = fold(level1[2 * i], level1[2 * i + 1], quarters);
+    const __m512 level3a = fold(level2[0], level2[1], lanes);
+    const __m512 level3b = fold(level2[2], level2[3], lanes);
+    return fold(level3a, level3b, lanes);
+  }
+#endif
   if constexpr (P == 1) {
     return acc[0];
   } else if constexpr (P == 2 || P == 4 || P == 8 || P == 16) {
@@ -283,15 +319,17 @@ EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
 /// steps its loop takes, then every step issues its share of the range's cache lines
 /// (one line every few steps when there are fewer lines than steps).
 ///
-/// The decode ops use it for the accumulate pass of a memory-bound step: it reads each
-/// value row in column pieces (one register block of columns at a time), a pattern the
-/// hardware prefetchers do not follow, so without help the pass waits on memory and
-/// computes in turn. Prefetching the same rows 8 KiB ahead, a few lines per token,
-/// keeps requests in flight while it computes (GQA, 4 heads per KV head: 0.65 -> 0.77
-/// of the read-only bandwidth in a cold-cache kernel test). Issued as one burst per
-/// tile or block instead, the prefetches fill the miss queues and stall the loads
-/// behind them; in the score pass, whose lanes are already long sequential streams
-/// (decode_kernels.hpp), they only took bandwidth from the demand loads (0.93 -> 0.82).
+/// The decode ops use it in both passes of a memory-bound step. The accumulate pass
+/// reads each value row in column pieces (one register block of columns at a time), a
+/// pattern the hardware prefetchers do not follow, so without help the pass waits on
+/// memory and computes in turn. Prefetching the same rows 8 KiB ahead, a few lines per
+/// token, keeps requests in flight while it computes (GQA, 4 heads per KV head: 0.65 ->
+/// 0.77 of the read-only bandwidth in a cold-cache kernel test). The score pass reads
+/// its tile front to back, but a register block of 4 query rows spends long enough on
+/// each key row that the hardware prefetchers fall behind: 8 KiB ahead took GQA's score
+/// pass from 0.58 to 0.98 of the read-only bandwidth (AVX-512, 37 GB/s). Issued as one
+/// burst per tile or block instead, the prefetches fill the miss queues and stall the
+/// loads behind them.
 struct Prefetcher {
   const char* next = nullptr;
   const char* end = nullptr;

@@ -60,8 +60,13 @@ struct SplitPlan {
   }
 };
 
+/// Tokens a split range (or a batch unit) is a multiple of, at least four of them: the
+/// tile, but at most 256 tokens, so that a layer whose tiles are long only for the sake
+/// of streaming (GQA's 1 MiB tiles) still splits a few thousand tokens across threads.
+constexpr Index split_granule(Index tile) { return std::min<Index>(tile, 256); }
+
 /// Splits the visible tokens only when groups alone cannot keep every thread busy, and
-/// never into ranges shorter than a few tiles (the merge is not free).
+/// never into ranges shorter than four granules (the merge is not free).
 inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index length, Index tile,
                             Index buffer_width, int threads, const AttentionSpan& span = {}) {
   SplitPlan plan;
@@ -76,7 +81,7 @@ inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index len
   plan.softcap = span.softcap;
   if (plan.threads > 1 && groups < plan.threads) {
     plan.max_splits = (plan.threads + groups - 1) / groups;
-    const Index by_length = std::max<Index>(1, plan.visible.count() / (4 * tile));
+    const Index by_length = std::max<Index>(1, plan.visible.count() / (4 * split_granule(tile)));
     plan.splits = std::min(plan.max_splits, by_length);
   }
   plan.max_threads = plan.threads;
