@@ -226,12 +226,12 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
 }
 
 // A sequence that grows across the point where 2 threads start splitting it (a split
-// range needs >= 4 tiles): the workspace is sized for the split at warm-up, so the
+// range needs >= 4 split granules, detail::split_granule): the workspace is sized for the split at warm-up, so the
 // growing sequence does not allocate either.
 TEST_CASE("Decode allocates nothing as a sequence grows across the thread split", "[alloc]") {
   const auto layer = GqaLayer<float>::random(mqa_config(64, 8, 64), 6);
   const auto& c = layer.config();
-  const Index start = 8 * layer.decode_tile() - 10;  // warm-up at start + 1 tokens
+  const Index start = 8 * detail::split_granule(layer.decode_tile()) - 10;  // warm-up: start + 1
   CHECK(detail::plan_split(1, c.n_heads, c.head_dim, start + 1, layer.decode_tile(), 0, 2).splits ==
         1);
   CHECK(detail::plan_split(1, c.n_heads, c.head_dim, start + kSteps + 1, layer.decode_tile(), 0, 2)

@@ -288,7 +288,7 @@ TEST_CASE("windows, sinks, sink logits and soft-caps over a split sequence equal
     const auto layer = GqaLayer<float>::random(config, seed++);
     for (const Index length : {Index{5}, Index{2000}}) check_against_reference(layer, length, seed);
   }
-  // One group of 512-token tiles: 2 threads split a window of 4500 (and all 5000 tokens).
+  // One group: 2 threads split a window of 4500 (and all 5000 tokens).
   for (const GqaConfig& config : with_spans(mqa_config(64, 4, 64, rope), 4500)) {
     CAPTURE(config.window, config.sink_tokens, config.sink_logits, config.logit_softcap);
     const auto layer = GqaLayer<float>::random(config, seed++);
