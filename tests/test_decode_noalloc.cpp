@@ -226,8 +226,8 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
 }
 
 // A sequence that grows across the point where 2 threads start splitting it (a split
-// range needs >= 4 split granules, detail::split_granule): the workspace is sized for the split at warm-up, so the
-// growing sequence does not allocate either.
+// range needs >= 4 split granules, detail::split_granule): the workspace is sized for the split at
+// warm-up, so the growing sequence does not allocate either.
 TEST_CASE("Decode allocates nothing as a sequence grows across the thread split", "[alloc]") {
   const auto layer = GqaLayer<float>::random(mqa_config(64, 8, 64), 6);
   const auto& c = layer.config();
