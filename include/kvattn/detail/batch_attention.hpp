@@ -100,11 +100,10 @@ struct BatchScratch {
 /// group (and range) covers [0, prefix) for all B sequences' rows of the group stacked,
 /// and each sequence's own units cover [prefix, L_s). A range is split only when the
 /// units would not keep `threads` threads busy, into pieces of at least four granules
-/// (split_granule); a
-/// prefix range, which carries every sequence's query rows (B times a sequence unit's
-/// arithmetic per token), is also cut into at least 2 x threads pieces of at least four
-/// granules, so that with one group (MQA, MLA) it is not one thread's work while the others
-/// wait. With a sliding window (span.window > 0; prefix must be 0) a sequence's units
+/// (split_granule); a prefix range, which carries every sequence's query rows (B times a
+/// sequence unit's arithmetic per token), is also cut into at least 2 x threads pieces
+/// of at least four granules, so that with one group (MQA, MLA) it is not one thread's
+/// work while the others wait. With a sliding window (span.window > 0; prefix must be 0) a sequence's units
 /// cover only the tokens its new token sees: its sink tokens and its window. Allocates
 /// only when the unit list outgrows its capacity.
 template <class Cache>
