@@ -103,9 +103,9 @@ struct BatchScratch {
 /// (split_granule); a prefix range, which carries every sequence's query rows (B times a
 /// sequence unit's arithmetic per token), is also cut into at least 2 x threads pieces
 /// of at least four granules, so that with one group (MQA, MLA) it is not one thread's
-/// work while the others wait. With a sliding window (span.window > 0; prefix must be 0) a sequence's units
-/// cover only the tokens its new token sees: its sink tokens and its window. Allocates
-/// only when the unit list outgrows its capacity.
+/// work while the others wait. With a sliding window (span.window > 0; prefix must be 0) a
+/// sequence's units cover only the tokens its new token sees: its sink tokens and its window.
+/// Allocates only when the unit list outgrows its capacity.
 template <class Cache>
 void plan_batch_units(std::vector<BatchUnit>& units, Index& slot, std::span<Cache* const> caches,
                       Index prefix, Index groups, Index rows, Index tile, int threads,
