@@ -632,17 +632,26 @@ class GqaLayer {
     }
 
     // The group's key (or value) rows kPrefetchAhead bytes past those of the tile
-    // [first, first + n), up to the end of their page in a paged cache.
+    // [first, first + n): in a paged cache the part on the tile's page, then the part on
+    // the next page (without the second part each page began with 8 KiB not prefetched).
     detail::Prefetcher prefetch_ahead(bool keys, Index group, Index first, Index n) const {
       using Element = detail::storage_element_t<S>;
       const Index row_bytes = cache.row_stride() * Index{sizeof(Element)};
       const Index ahead = std::max<Index>(1, kPrefetchAhead / row_bytes);
+      const Index last = std::min(cache.sequence_length(), first + n + ahead);
+      auto piece = [&](Index begin) {
+        const Index count = std::min(last - begin, detail::contiguous_rows(cache, begin));
+        return std::pair<const Element*, Index>{
+            count > 0 ? (keys ? cache.key_row(group, begin) : cache.value_row(group, begin))
+                      : nullptr,
+            std::max<Index>(count, 0)};
+      };
       const Index begin = std::min(cache.sequence_length(), first + ahead);
-      const Index end =
-          begin + std::min(first + n + ahead - begin, detail::contiguous_rows(cache, begin));
-      if (begin >= end) return {};
-      return {keys ? cache.key_row(group, begin) : cache.value_row(group, begin),
-              (end - begin) * row_bytes};
+      if (begin >= last) return {};
+      const auto [rows, count] = piece(begin);
+      if (begin + count >= last) return {rows, count * row_bytes};
+      const auto [rows2, count2] = piece(begin + count);
+      return {rows, count * row_bytes, rows2, count2 * row_bytes};
     }
 
     void score(Index group, Index first, Index n, T* logits, Index ld, T* spare) const {

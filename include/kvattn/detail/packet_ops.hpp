@@ -333,6 +333,10 @@ EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
 struct Prefetcher {
   const char* next = nullptr;
   const char* end = nullptr;
+  // A second range, taken up when the first is done: the rows ahead of a tile that ends
+  // at a page's end of a paged cache lie on the next page, elsewhere in memory.
+  const char* next_range = nullptr;
+  const char* next_range_end = nullptr;
   Index lines_per_step = 0;  // lines issued by a step that issues
   Index period = 1;          // a step issues every `period` steps
   Index countdown = 1;
@@ -340,14 +344,20 @@ struct Prefetcher {
   static constexpr Index kLine = 64;
 
   Prefetcher() = default;
-  /// The range to prefetch: `bytes` from `data` (nothing when bytes <= 0).
-  Prefetcher(const void* data, Index bytes)
+  /// The range to prefetch: `bytes` from `data` (nothing when bytes <= 0), then
+  /// `bytes2` from `data2`.
+  Prefetcher(const void* data, Index bytes, const void* data2 = nullptr, Index bytes2 = 0)
       : next(static_cast<const char*>(data)),
-        end(data == nullptr || bytes <= 0 ? next : next + bytes) {}
+        end(data == nullptr || bytes <= 0 ? next : next + bytes),
+        next_range(static_cast<const char*>(data2)),
+        next_range_end(data2 == nullptr || bytes2 <= 0 ? next_range : next_range + bytes2) {
+    if (next >= end) take_next_range();
+  }
 
   /// Spreads what is left over `steps` calls of step().
   void plan(Index steps) {
-    const Index lines = (end - next + kLine - 1) / kLine;
+    const Index lines =
+        (end - next + kLine - 1) / kLine + (next_range_end - next_range + kLine - 1) / kLine;
     steps = std::max<Index>(steps, 1);
     if (lines >= steps) {
       lines_per_step = (lines + steps - 1) / steps;
@@ -364,10 +374,19 @@ struct Prefetcher {
     if (next >= end || --countdown > 0) return;
     countdown = period;
     for (Index k = 0; k < lines_per_step && next < end; ++k, next += kLine) prefetch_line(next);
+    if (next >= end) take_next_range();
   }
   /// Whatever step() has not reached yet.
   void finish() {
     for (; next < end; next += kLine) prefetch_line(next);
+    for (; next_range < next_range_end; next_range += kLine) prefetch_line(next_range);
+  }
+
+ private:
+  void take_next_range() {
+    next = next_range;
+    end = next_range_end;
+    next_range = next_range_end;
   }
 };
 
