@@ -373,7 +373,13 @@ struct Prefetcher {
   EIGEN_ALWAYS_INLINE void step() {
     if (next >= end || --countdown > 0) return;
     countdown = period;
-    for (Index k = 0; k < lines_per_step && next < end; ++k, next += kLine) prefetch_line(next);
+    for (Index k = 0; k < lines_per_step; ++k, next += kLine) {
+      if (next >= end) {  // the first range ran out within this step's share
+        take_next_range();
+        if (next >= end) return;
+      }
+      prefetch_line(next);
+    }
     if (next >= end) take_next_range();
   }
   /// Whatever step() has not reached yet.
