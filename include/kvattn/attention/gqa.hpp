@@ -655,12 +655,12 @@ class GqaLayer {
     }
 
     void score(Index group, Index first, Index n, T* logits, Index ld, T* spare) const {
+      detail::Prefetcher keys = prefetch_ahead(true, group, first, n);
       if constexpr (detail::is_quantized_storage<S>) {
         detail::score_quantized<T, S>(query + group * group_stride, head_dim, group_size,
                                       cache.key_row(group, first), cache.row_stride(), head_dim, n,
-                                      logits, ld, spare);
+                                      logits, ld, spare, &keys);
       } else {
-        detail::Prefetcher keys = prefetch_ahead(true, group, first, n);
         detail::score_rows(query + group * group_stride, head_dim, group_size, head_dim,
                            cache.key_row(group, first), head_dim, 0, n, logits, ld, false, &keys,
                            nullptr, paired_query);
