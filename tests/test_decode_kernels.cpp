@@ -237,16 +237,14 @@ TEST_CASE("Prefetcher walks its first range, then its second, within the plan", 
   // Prefetches are hints (no observable effect), so the walk is checked on the state.
   std::vector<char> first(1000), second(300);
   detail::Prefetcher p(first.data(), 1000, second.data(), 300);
-  const Index lines = (1000 + 63) / 64 + (300 + 63) / 64;  // 16 + 5
-  p.plan(7);
+  p.plan(7);  // 16 + 5 lines: 3 a step
   for (int step = 0; step < 7; ++step) {
     const bool in_first = p.next >= first.data() && p.next <= first.data() + 1000;
     const bool in_second = p.next >= second.data() && p.next <= second.data() + 300 + 63;
     CHECK((in_first || in_second));
     p.step();
   }
-  CHECK(lines == 21);
-  CHECK(p.next >= p.end);  // both ranges issued by the planned steps (3 lines a step)
+  CHECK(p.next >= p.end);  // both ranges issued by the planned steps
   CHECK(p.next >= second.data());
   // An empty first range starts on the second; no range at all issues nothing.
   const detail::Prefetcher only_second(nullptr, 0, second.data(), 300);

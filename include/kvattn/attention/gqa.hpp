@@ -639,19 +639,17 @@ class GqaLayer {
       const Index row_bytes = cache.row_stride() * Index{sizeof(Element)};
       const Index ahead = std::max<Index>(1, kPrefetchAhead / row_bytes);
       const Index last = std::min(cache.sequence_length(), first + n + ahead);
-      auto piece = [&](Index begin) {
-        const Index count = std::min(last - begin, detail::contiguous_rows(cache, begin));
-        return std::pair<const Element*, Index>{
-            count > 0 ? (keys ? cache.key_row(group, begin) : cache.value_row(group, begin))
-                      : nullptr,
-            std::max<Index>(count, 0)};
+      const Index begin = first + ahead;
+      // Rows on begin's page (contiguous_rows is 0 past the end or where none are held).
+      const Index count = std::min(last - begin, detail::contiguous_rows(cache, begin));
+      if (count <= 0) return {};
+      auto rows = [&](Index t) {
+        return keys ? cache.key_row(group, t) : cache.value_row(group, t);
       };
-      const Index begin = std::min(cache.sequence_length(), first + ahead);
-      if (begin >= last) return {};
-      const auto [rows, count] = piece(begin);
-      if (begin + count >= last) return {rows, count * row_bytes};
-      const auto [rows2, count2] = piece(begin + count);
-      return {rows, count * row_bytes, rows2, count2 * row_bytes};
+      const Index next = begin + count;
+      const Index count2 = std::min(last - next, detail::contiguous_rows(cache, next));
+      if (count2 <= 0) return {rows(begin), count * row_bytes};
+      return {rows(begin), count * row_bytes, rows(next), count2 * row_bytes};
     }
 
     void score(Index group, Index first, Index n, T* logits, Index ld, T* spare) const {

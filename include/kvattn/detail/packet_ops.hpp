@@ -235,18 +235,14 @@ inline Packet<T> sum_lanes(const Packet<T>* acc) {
     // 128-bit quarters, then pairs of lanes, then lanes), two sources per result. Fed in
     // the order 0, 4, 8, 12, 1, 5, ... (a 4 x 4 transpose of the indices), the tree
     // leaves the sum of acc[k] in lane k.
-    auto fold = [](__m512 a, __m512 b, auto shuffle) {
-      return _mm512_add_ps(shuffle(a, b, std::integral_constant<int, 0>{}),
-                           shuffle(a, b, std::integral_constant<int, 1>{}));
+    auto halves = [](__m512 a, __m512 b) {
+      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
     };
-    auto halves = [](__m512 a, __m512 b, auto hi) {
-      return _mm512_shuffle_f32x4(a, b, decltype(hi)::value ? 0xEE : 0x44);
+    auto quarters = [](__m512 a, __m512 b) {
+      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
     };
-    auto quarters = [](__m512 a, __m512 b, auto hi) {
-      return _mm512_shuffle_f32x4(a, b, decltype(hi)::value ? 0xDD : 0x88);
-    };
-    auto lanes = [](__m512 a, __m512 b, auto hi) {
-      return _mm512_shuffle_ps(a, b, decltype(hi)::value ? 0xDD : 0x88);
+    auto lanes = [](__m512 a, __m512 b) {
+      return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
     };
     __m512 level1[8];
     KVATTN_UNROLL
@@ -254,14 +250,12 @@ inline Packet<T> sum_lanes(const Packet<T>* acc) {
       // Pair i holds sources order[2i], order[2i + 1], order[k] = (k % 4) * 4 + k / 4.
       const int first = (2 * i % 4) * 4 + 2 * i / 4,
                 second = ((2 * i + 1) % 4) * 4 + (2 * i + 1) / 4;
-      level1[i] = fold(acc[first], acc[second], halves);
+      level1[i] = halves(acc[first], acc[second]);
     }
     __m512 level2[4];
     KVATTN_UNROLL
-    for (int i = 0; i < 4; ++i) level2[i] = fold(level1[2 * i], level1[2 * i + 1], quarters);
-    const __m512 level3a = fold(level2[0], level2[1], lanes);
-    const __m512 level3b = fold(level2[2], level2[3], lanes);
-    return fold(level3a, level3b, lanes);
+    for (int i = 0; i < 4; ++i) level2[i] = quarters(level1[2 * i], level1[2 * i + 1]);
+    return lanes(lanes(level2[0], level2[1]), lanes(level2[2], level2[3]));
   }
 #endif
   if constexpr (P == 1) {
