@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvattn/attention/attend_states.hpp"
 #include "kvattn/attention/attention_layer.hpp"
 #include "kvattn/attention/decode_batch.hpp"
 #include "kvattn/cache/gqa_cache.hpp"
@@ -257,7 +258,7 @@ class GqaLayer {
     cache.grow_for(position + 1);
     // Everything that may throw is done; from here the step cannot fail.
     cache.append_token(ws.key, ws.value);
-    attend_prepared(cache, ws, plan, ws.heads.data());
+    attend_prepared(cache, ws, plan, ws.heads.data(), position);
     detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
   }
 
@@ -305,7 +306,7 @@ class GqaLayer {
     auto plan = prepare(ws, cache.sequence_length(), thread_count);
     plan.segment = detail::cache_segment(cache);
     ws.query = query.row(0);
-    attend_prepared(cache, ws, plan, heads.data());
+    attend_prepared(cache, ws, plan, heads.data(), cache.sequence_length() - 1);
   }
 
   /// attend with a workspace of its own (allocates one on every call).
@@ -315,6 +316,54 @@ class GqaLayer {
               Threads threads = {}) const {
     Workspace ws = make_workspace(threads);
     attend(query, cache, heads, ws, threads);
+  }
+
+  /// The queries of x (n x d) as attend and attend_states take them: x W_Q (+ bias_q),
+  /// n x H*d_h, before RoPE.
+  RowMatrix<T> project_query(const ConstMatrixRef<T>& x, Threads threads = {}) const {
+    detail::check_shape("GqaLayer::project_query", "x", x, -1, config_.d_model);
+    RowMatrix<T> query(x.rows(), config_.query_width());
+    detail::parallel_product(x, weights_.w_q, query, threads.resolved());
+    if (config_.qkv_bias) query.rowwise() += weights_.bias_q;
+    return query;
+  }
+
+  /// Appends the keys and values of x's n tokens (n x d) without attending: what prefill
+  /// appends, for a cache that holds part of a sequence whose attention is computed
+  /// elsewhere (attention/attend_states.hpp). Strong exception guarantee.
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T>
+  void append(const ConstMatrixRef<T>& x, Cache& cache, Threads threads = {}) const {
+    constexpr const char* where = "GqaLayer::append";
+    check_cache(cache, where);
+    detail::check_shape(where, "x", x, -1, config_.d_model);
+    if (x.rows() == 0) return;
+    RowMatrix<T> query, key, value;
+    project(x, cache.sequence_length(), query, key, value, threads.resolved());
+    cache.append(key, value);
+  }
+
+  /// The partial softmax state of each query head over the tokens of `cache` that a
+  /// query at sequence index `position` sees (attention/attend_states.hpp): states gets
+  /// H rows of d_h, without the sink logits. Allocates nothing once states and the
+  /// workspace have their size. config_error for a layer with a sliding window.
+  template <class Cache>
+  requires detail::is_gqa_cache<Cache, T>
+  void attend_states(const ConstMatrixRef<T>& query, Index position, const Cache& cache,
+                     SoftmaxStates<T>& states, Workspace& ws, Threads threads = {}) const {
+    constexpr const char* where = "GqaLayer::attend_states";
+    check_cache(cache, where);
+    detail::check_shape(where, "query", query, 1, query_width());
+    const Index visible =
+        detail::states_visible(where, config_.window, position, cache.sequence_length());
+    states.reset(config_.n_heads, config_.head_dim);
+    if (visible == 0) return;
+    auto plan = prepare(ws, visible, threads.resolved());
+    plan.segment = detail::cache_segment(cache);
+    ws.query = query.row(0);
+    attend_prepared(cache, ws, plan, ws.heads.data(), position, states.max.data(),
+                    states.sum.data());
+    detail::states_from_heads(ws.heads.data(), states);
   }
 
   /// One new token for each of B sequences (docs/api.md, attention/decode_batch.hpp): x
@@ -686,15 +735,16 @@ class GqaLayer {
   static constexpr Index kTokenBlock = 16;
   static constexpr Index kPrefetchAhead = 8 * 1024;
 
-  // The attention of the newest token with ws.query (projected, not yet rotated) into
-  // `heads` (H * d_h scalars). Never throws: prepare() has sized everything.
+  // The attention of the query in ws.query (projected, not yet rotated) at sequence index
+  // `position` over the plan's tokens into `heads` (H * d_h scalars). With row_max /
+  // row_sum, each head's max and normalizer go there and the sink logits are left out
+  // (attend_states). Never throws: prepare() has sized everything.
   template <class Cache>
-  void attend_prepared(const Cache& cache, Workspace& ws, const detail::SplitPlan& plan,
-                       T* heads) const {
+  void attend_prepared(const Cache& cache, Workspace& ws, const detail::SplitPlan& plan, T* heads,
+                       Index position, T* row_max = nullptr, T* row_sum = nullptr) const {
     using S = typename Cache::storage_type;
-    const double position =
-        static_cast<double>(config_.rope.position_offset + cache.sequence_length() - 1);
-    rope_.rotate(ws.query.data(), position, config_.n_heads, config_.head_dim);
+    const double angle = static_cast<double>(config_.rope.position_offset + position);
+    rope_.rotate(ws.query.data(), angle, config_.n_heads, config_.head_dim);
     ws.query *= scale_;
     const Index group = config_.group_size();
     const Index dh = config_.head_dim;
@@ -703,7 +753,8 @@ class GqaLayer {
     }
     const DecodeOps<Cache> ops{cache, ws.query.data(), group,
                                dh,    group * dh,      DecodeOps<Cache>::paired_score(group, dh)};
-    detail::split_attention(plan, ws.split, ops, heads, sink_logits());
+    detail::split_attention(plan, ws.split, ops, heads,
+                            row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
     if (detail::paired_rows<T, S>(dh)) {
       for (Index h = 0; h < config_.n_heads; ++h) detail::from_paired(heads + h * dh, dh);
     }

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvattn/attention/attend_states.hpp"
 #include "kvattn/attention/attention_layer.hpp"
 #include "kvattn/attention/decode_batch.hpp"
 #include "kvattn/attention/lrkv_weights.hpp"
@@ -165,20 +166,13 @@ class LrkvLayer {
     const Index r = config_.rank;
     const Index hr = H * r;
     const Index dr = config_.decoupled_dim();
-    RowMatrix<T> key(n, key_width()), value(n, dh + hr), query, query_latent(n, hr), query_rope;
-    RowMatrix<T> rms(n, config_.key_norm ? H : 0);
-    RowVector<T> scratch_key(dh);
-    key.leftCols(dh).noalias() = x * weights_.w_k_shared;
-    detail::parallel_product(x, weights_.u_k, key.middleCols(dh, hr), thread_count);
-    key.rightCols(dr).noalias() = x * weights_.w_kr;
-    value.leftCols(dh).noalias() = x * weights_.w_v_shared;
-    detail::parallel_product(x, weights_.u_v, value.rightCols(hr), thread_count);
+    RowMatrix<T> key, value, rms, query, query_latent(n, hr), query_rope;
+    project_rows(x, past, key, value, rms, thread_count);
     query.resize(n, weights_.w_q.cols());
     detail::parallel_product(x, weights_.w_q, query, thread_count);
     query_rope.noalias() = x * weights_.w_qr;
     for (Index i = 0; i < n; ++i) {
       const double position = static_cast<double>(config_.rope.position_offset + past + i);
-      finish_key(position, key.row(i).data(), rms.row(i).data(), scratch_key.data());
       finish_query(position, query.row(i).data(), query_latent.row(i).data(),
                    query_rope.row(i).data());
     }
@@ -272,7 +266,7 @@ class LrkvLayer {
     finish_key(position, ws.key.data(), ws.rms.data(), ws.scratch.data());
     cache.append_token(ws.key.head(dh), ws.key.segment(dh, hr), ws.key.tail(dr), ws.value.head(dh),
                        ws.value.tail(hr), ws.rms);
-    attend_prepared(cache, ws, plan, ws.heads.data(), thread_count);
+    attend_prepared(cache, ws, plan, ws.heads.data(), thread_count, cache.sequence_length() - 1);
     detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
   }
 
@@ -329,7 +323,7 @@ class LrkvLayer {
       ws.query.segment(h * dh, dh) = query.row(0).segment(h * (dh + dr), dh);
       ws.query_rope.segment(h * dr, dr) = query.row(0).segment(h * (dh + dr) + dh, dr);
     }
-    attend_prepared(cache, ws, plan, heads.data(), thread_count);
+    attend_prepared(cache, ws, plan, heads.data(), thread_count, cache.sequence_length() - 1);
   }
 
   /// attend with a workspace of its own (allocates one on every call).
@@ -339,6 +333,74 @@ class LrkvLayer {
               Threads threads = {}) const {
     Workspace ws = make_workspace(threads);
     attend(query, cache, heads, ws, threads);
+  }
+
+  /// The queries of x (n x d) as attend and attend_states take them: [x W_Q_h | x W_QR_h]
+  /// per head (the W_QR part only with rope_mode decoupled), n x H*(d_h + d_R), before
+  /// RoPE.
+  RowMatrix<T> project_query(const ConstMatrixRef<T>& x, Threads threads = {}) const {
+    detail::check_shape("LrkvLayer::project_query", "x", x, -1, config_.d_model);
+    const Index dh = config_.head_dim;
+    const Index dr = config_.decoupled_dim();
+    RowMatrix<T> content(x.rows(), weights_.w_q.cols());
+    detail::parallel_product(x, weights_.w_q, content, threads.resolved());
+    const RowMatrix<T> rope = x * weights_.w_qr;
+    RowMatrix<T> query(x.rows(), query_width());
+    for (Index h = 0; h < config_.n_heads; ++h) {
+      query.middleCols(h * (dh + dr), dh) = content.middleCols(h * dh, dh);
+      query.middleCols(h * (dh + dr) + dh, dr) = rope.middleCols(h * dr, dr);
+    }
+    return query;
+  }
+
+  /// Appends the rows of x's n tokens (n x d) without attending: what prefill appends,
+  /// for a cache that holds part of a sequence whose attention is computed elsewhere
+  /// (attention/attend_states.hpp). Strong exception guarantee.
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T>
+  void append(const ConstMatrixRef<T>& x, Cache& cache, Threads threads = {}) const {
+    constexpr const char* where = "LrkvLayer::append";
+    check_factored(where);
+    check_cache(cache, where);
+    detail::check_shape(where, "x", x, -1, config_.d_model);
+    if (x.rows() == 0) return;
+    const Index dh = config_.head_dim;
+    const Index hr = config_.n_heads * config_.rank;
+    const Index dr = config_.decoupled_dim();
+    RowMatrix<T> key, value, rms;
+    project_rows(x, cache.sequence_length(), key, value, rms, threads.resolved());
+    cache.append_unchecked({key.leftCols(dh), value.leftCols(dh), key.middleCols(dh, hr),
+                            value.rightCols(hr), key.rightCols(dr), rms});
+  }
+
+  /// The partial softmax state of each query head over the tokens of `cache` that a
+  /// query at sequence index `position` sees (attention/attend_states.hpp): states gets
+  /// H rows of d_h (a_h V_s + (a_h R_h^V)(B_h^V)^T, unnormalized), without the sink
+  /// logits. config_error for a layer with a sliding window.
+  template <class Cache>
+  requires detail::is_lrkv_cache<Cache, T>
+  void attend_states(const ConstMatrixRef<T>& query, Index position, const Cache& cache,
+                     SoftmaxStates<T>& states, Workspace& ws, Threads threads = {}) const {
+    constexpr const char* where = "LrkvLayer::attend_states";
+    check_factored(where);
+    check_cache(cache, where);
+    detail::check_shape(where, "query", query, 1, query_width());
+    const Index visible =
+        detail::states_visible(where, config_.window, position, cache.sequence_length());
+    states.reset(config_.n_heads, config_.head_dim);
+    if (visible == 0) return;
+    const int thread_count = threads.resolved();
+    auto plan = prepare(ws, visible, thread_count);
+    plan.segment = detail::cache_segment(cache);
+    const Index dh = config_.head_dim;
+    const Index dr = config_.decoupled_dim();
+    for (Index h = 0; h < config_.n_heads; ++h) {
+      ws.query.segment(h * dh, dh) = query.row(0).segment(h * (dh + dr), dh);
+      ws.query_rope.segment(h * dr, dr) = query.row(0).segment(h * (dh + dr) + dh, dr);
+    }
+    attend_prepared(cache, ws, plan, ws.heads.data(), thread_count, position, states.max.data(),
+                    states.sum.data());
+    detail::states_from_heads(ws.heads.data(), states);
   }
 
   /// One new token for each of B sequences, as GqaLayer::decode_batch (docs/api.md): x
@@ -477,6 +539,29 @@ class LrkvLayer {
                          detail::describe(cache.config()) +
                          " (or other RoPE/key-norm settings), the layer has " +
                          detail::describe(config_));
+    }
+  }
+
+  // The cache rows of x's tokens, token i at cache index past + i: keys [k~_s | R^K | k~_R]
+  // (finished by finish_key), values [V_s | R^V] and the key RMS (key_norm, else 0 columns).
+  void project_rows(const ConstMatrixRef<T>& x, Index past, RowMatrix<T>& key, RowMatrix<T>& value,
+                    RowMatrix<T>& rms, int threads) const {
+    const Index n = x.rows();
+    const Index dh = config_.head_dim;
+    const Index hr = config_.n_heads * config_.rank;
+    const Index dr = config_.decoupled_dim();
+    key.resize(n, key_width());
+    value.resize(n, dh + hr);
+    rms.resize(n, config_.key_norm ? config_.n_heads : 0);
+    key.leftCols(dh).noalias() = x * weights_.w_k_shared;
+    detail::parallel_product(x, weights_.u_k, key.middleCols(dh, hr), threads);
+    key.rightCols(dr).noalias() = x * weights_.w_kr;
+    value.leftCols(dh).noalias() = x * weights_.w_v_shared;
+    detail::parallel_product(x, weights_.u_v, value.rightCols(hr), threads);
+    RowVector<T> scratch(dh);
+    for (Index i = 0; i < n; ++i) {
+      const double position = static_cast<double>(config_.rope.position_offset + past + i);
+      finish_key(position, key.row(i).data(), rms.row(i).data(), scratch.data());
     }
   }
 
@@ -737,18 +822,20 @@ class LrkvLayer {
     }
   };
 
-  // The associative step for the newest token; ws.query / ws.query_rope hold its raw
-  // projected query. Never throws: prepare() has sized everything.
+  // The associative step of the query at sequence index `position` over the plan's
+  // tokens; ws.query / ws.query_rope hold its raw projected query. With row_max /
+  // row_sum, each head's max and normalizer go there and the sink logits are left out
+  // (attend_states). Never throws: prepare() has sized everything.
   template <class Cache>
   void attend_prepared(const Cache& cache, Workspace& ws, const detail::SplitPlan& plan, T* heads,
-                       int threads) const {
+                       int threads, Index position, T* row_max = nullptr,
+                       T* row_sum = nullptr) const {
     using S = typename Cache::storage_type;
     const Index H = config_.n_heads;
     const Index dh = config_.head_dim;
     const Index r = config_.rank;
-    const double position =
-        static_cast<double>(config_.rope.position_offset + cache.sequence_length() - 1);
-    finish_query(position, ws.query.data(), ws.query_latent.data(), ws.query_rope.data());
+    finish_query(static_cast<double>(config_.rope.position_offset + position), ws.query.data(),
+                 ws.query_latent.data(), ws.query_rope.data());
     const DecodeOps<Cache> ops{cache,
                                ws.query.data(),
                                ws.query_latent.data(),
@@ -760,7 +847,8 @@ class LrkvLayer {
                                key_width(),
                                dh + H * r,
                                config_.key_norm};
-    detail::split_attention(plan, ws.split, ops, ws.acc.data(), sink_logits());
+    detail::split_attention(plan, ws.split, ops, ws.acc.data(),
+                            row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
     if (detail::paired_rows<T, S>(dh)) {  // bf16 shared values were summed in pairs
       for (Index h = 0; h < H; ++h) detail::from_paired(ws.acc.row(h).data(), dh);
     }

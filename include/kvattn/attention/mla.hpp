@@ -37,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvattn/attention/attend_states.hpp"
 #include "kvattn/attention/attention_layer.hpp"
 #include "kvattn/attention/decode_batch.hpp"
 #include "kvattn/cache/mla_cache.hpp"
@@ -375,6 +376,66 @@ class MlaLayer {
     attend(query, cache, heads, ws, threads);
   }
 
+  /// The queries of x (n x d) as attend and attend_states take them: [q_h^nope | q_h^R]
+  /// per head (through W_DQ, its norm and W_UQ when q_rank > 0), n x H*(d_nope + d_R),
+  /// before RoPE.
+  RowMatrix<T> project_query(const ConstMatrixRef<T>& x, Threads threads = {}) const {
+    detail::check_shape("MlaLayer::project_query", "x", x, -1, config_.d_model);
+    const int thread_count = threads.resolved();
+    RowMatrix<T> query(x.rows(), config_.query_width());
+    if (config_.q_rank > 0) {
+      RowMatrix<T> q_latent(x.rows(), config_.q_rank);
+      detail::parallel_product(x, weights_.w_dq, q_latent, thread_count);
+      if (config_.q_norm) norm_rows(q_latent, weights_.q_norm_gain);
+      detail::parallel_product(q_latent, weights_.w_uq, query, thread_count);
+    } else {
+      detail::parallel_product(x, weights_.w_q, query, thread_count);
+    }
+    return query;
+  }
+
+  /// Appends the latents and rope keys of x's n tokens (n x d) without attending: what
+  /// prefill appends, for a cache that holds part of a sequence whose attention is
+  /// computed elsewhere (attention/attend_states.hpp). Strong exception guarantee.
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T>
+  void append(const ConstMatrixRef<T>& x, Cache& cache, Threads threads = {}) const {
+    constexpr const char* where = "MlaLayer::append";
+    check_cache(cache, where);
+    detail::check_shape(where, "x", x, -1, config_.d_model);
+    if (x.rows() == 0) return;
+    RowMatrix<T> query, latent, rope_keys;
+    project(x, cache.sequence_length(), query, latent, rope_keys, threads.resolved());
+    cache.append(latent, rope_keys);
+  }
+
+  /// The partial softmax state of each query head over the tokens of `cache` that a
+  /// query at sequence index `position` sees (attention/attend_states.hpp): states gets
+  /// H rows of d_v (the absorbed step's latent output times W_UV_h, unnormalized),
+  /// without the sink logits. config_error for a layer with a sliding window.
+  template <class Cache>
+  requires detail::is_mla_cache<Cache, T>
+  void attend_states(const ConstMatrixRef<T>& query, Index position, const Cache& cache,
+                     SoftmaxStates<T>& states, Workspace& ws, Threads threads = {}) const {
+    constexpr const char* where = "MlaLayer::attend_states";
+    check_cache(cache, where);
+    detail::check_shape(where, "query", query, 1, query_width());
+    const Index visible =
+        detail::states_visible(where, config_.window, position, cache.sequence_length());
+    states.reset(config_.n_heads, config_.v_dim);
+    if (visible == 0) return;
+    const int thread_count = threads.resolved();
+    auto plan = prepare(ws, visible, thread_count);
+    plan.segment = detail::cache_segment(cache);
+    ws.query = query.row(0);
+    rope_.rotate(ws.query.data() + config_.qk_nope_dim,
+                 static_cast<double>(config_.rope.position_offset + position), config_.n_heads,
+                 config_.qk_head_dim());
+    attend_prepared(cache, ws, plan, ws.heads.data(), thread_count, states.max.data(),
+                    states.sum.data());
+    detail::states_from_heads(ws.heads.data(), states);
+  }
+
   /// One new token for each of B sequences, as GqaLayer::decode_batch (docs/api.md): x
   /// and out are B x d, caches B distinct caches of one type; row s of out is what
   /// decode(x.row(s), *caches[s], ...) writes. The projections and each head's
@@ -507,15 +568,7 @@ class MlaLayer {
   void project(const ConstMatrixRef<T>& x, Index past, RowMatrix<T>& query, RowMatrix<T>& latent,
                RowMatrix<T>& rope_keys, int threads) const {
     const MlaConfig& c = config_;
-    query.resize(x.rows(), c.query_width());
-    if (c.q_rank > 0) {
-      RowMatrix<T> q_latent(x.rows(), c.q_rank);
-      detail::parallel_product(x, weights_.w_dq, q_latent, threads);
-      if (c.q_norm) norm_rows(q_latent, weights_.q_norm_gain);
-      detail::parallel_product(q_latent, weights_.w_uq, query, threads);
-    } else {
-      detail::parallel_product(x, weights_.w_q, query, threads);
-    }
+    query = project_query(x, Threads{threads});
     latent.resize(x.rows(), c.kv_rank);
     detail::parallel_product(x, weights_.w_dkv, latent, threads);
     if (c.kv_norm) norm_rows(latent, weights_.kv_norm_gain);
@@ -645,11 +698,12 @@ class MlaLayer {
     static constexpr Index kTokenBlock = 0;
   };
 
-  // The absorbed step for the newest token; ws.query holds its rotated query. Never
-  // throws: prepare() has sized everything.
+  // The absorbed step over the plan's tokens; ws.query holds the rotated query. With
+  // row_max / row_sum, each head's max and normalizer go there and the sink logits are
+  // left out (attend_states). Never throws: prepare() has sized everything.
   template <class Cache>
   void attend_prepared(const Cache& cache, Workspace& ws, const detail::SplitPlan& plan, T* heads,
-                       int threads) const {
+                       int threads, T* row_max = nullptr, T* row_sum = nullptr) const {
     using S = typename Cache::storage_type;
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
@@ -665,7 +719,8 @@ class MlaLayer {
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
     const DecodeOps<Cache> ops{cache, ws.absorbed.data(), c.n_heads, dc,
                                c.cache_elements_per_token()};
-    detail::split_attention(plan, ws.split, ops, ws.latent_heads.data(), sink_logits());
+    detail::split_attention(plan, ws.split, ops, ws.latent_heads.data(),
+                            row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
     if (detail::paired_rows<T, S>(dc)) {  // bf16 latents were summed in pairs
       for (Index h = 0; h < c.n_heads; ++h) detail::from_paired(ws.latent_heads.row(h).data(), dc);
     }

@@ -213,10 +213,13 @@ void attend_range(const Ops& ops, Index group, Index first, Index last, Index ti
 /// Runs the plan and writes each group's normalized attention (groups*rows x
 /// acc_width, row stride acc_width) to `out`. `sinks` (or nullptr) holds a sink logit
 /// per output row (group * rows + i), folded in once after the splits are merged.
+/// `row_max` and `row_sum` (or nullptr) receive each output row's softmax maximum and
+/// normalizer (sink included), so that `out` row times its sum is the row's partial
+/// softmax state (core/softmax_states.hpp) for a merge with other key sets.
 /// scratch.fit(plan) must have run.
 template <class T, class Ops>
 void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops& ops, T* out,
-                     const T* sinks = nullptr) {
+                     const T* sinks = nullptr, T* row_max = nullptr, T* row_sum = nullptr) {
   using RowMap = Eigen::Map<RowVector<T>>;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
   const Index rows = plan.rows;
@@ -270,6 +273,10 @@ void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops&
       const T sink = sinks != nullptr ? sinks[group * rows + i] : neg_inf;
       total_max = std::max(total_max, sink);
       result.setZero();
+      if (row_max != nullptr) {
+        row_max[group * rows + i] = total_max;
+        row_sum[group * rows + i] = T(0);
+      }
       if (total_max == neg_inf) continue;  // no visible key: the zero vector, as softmax
       T denominator = sink != neg_inf ? std::exp(sink - total_max) : T(0);
       for (Index s = 0; s < splits; ++s) {
@@ -281,6 +288,7 @@ void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops&
         result += weight * scratch.acc.row(slot);
       }
       result /= denominator;
+      if (row_sum != nullptr) row_sum[group * rows + i] = denominator;
     }
   }
 }
