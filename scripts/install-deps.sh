@@ -16,6 +16,8 @@ packages=(
   catch2               # Catch2 2.13, the tests
   libbenchmark-dev     # Google Benchmark 1.7, the benchmarks
   nlohmann-json3-dev   # JSON: kvattn::hf_config, kvcalc, the tests, benchmark reports
+  libopenmpi-dev       # MPI (Open MPI): kvattn::mpi, kvattn/distributed/, the mpi tests
+  openmpi-bin          # mpiexec, which runs the mpi-labelled tests on 1 to 4 ranks
   clang-14             # the sanitize and fuzz presets' compiler (scripts/sanitize.sh,
                        # scripts/fuzz.sh, scripts/fuzz-ci.sh)
   libomp-14-dev        # clang's OpenMP runtime, for the sanitize preset's threaded tests

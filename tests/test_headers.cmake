@@ -9,8 +9,19 @@ file(GLOB_RECURSE _kvattn_headers CONFIGURE_DEPENDS
      RELATIVE "${PROJECT_SOURCE_DIR}/include"
      "${PROJECT_SOURCE_DIR}/include/kvattn/*.hpp")
 
+# The headers under kvattn/distributed/ include <mpi.h>: they are checked in an object
+# library of their own, kvattn_header_check_mpi, linking kvattn::mpi, when kvattn::mpi
+# exists (KVATTN_WITH_MPI), and not at all otherwise.
 set(_kvattn_header_sources "")
+set(_kvattn_mpi_header_sources "")
 foreach(_header IN LISTS _kvattn_headers)
+  set(_needs_mpi OFF)
+  if(_header MATCHES "^kvattn/distributed/")
+    if(NOT KVATTN_WITH_MPI)
+      continue()
+    endif()
+    set(_needs_mpi ON)
+  endif()
   string(MAKE_C_IDENTIFIER "${_header}" _id)
   set(_source "${CMAKE_CURRENT_BINARY_DIR}/header_check/${_id}.cpp")
   # file(CONFIGURE) rewrites the file only when its content changes, so a re-glob
@@ -20,7 +31,11 @@ foreach(_header IN LISTS _kvattn_headers)
 #include <${_header}>
 #include <${_header}>
 ")
-  list(APPEND _kvattn_header_sources "${_source}")
+  if(_needs_mpi)
+    list(APPEND _kvattn_mpi_header_sources "${_source}")
+  else()
+    list(APPEND _kvattn_header_sources "${_source}")
+  endif()
 endforeach()
 
 # The sanitizer build skips it: compiling headers alone runs nothing, and the
@@ -30,4 +45,9 @@ if(_kvattn_header_sources AND NOT KVATTN_SANITIZE)
   kvattn_project_target(kvattn_header_check)
   # analysis/hf_config.hpp includes nlohmann/json.hpp (target kvattn::hf_config).
   target_link_libraries(kvattn_header_check PRIVATE kvattn::hf_config)
+endif()
+if(_kvattn_mpi_header_sources AND NOT KVATTN_SANITIZE)
+  add_library(kvattn_header_check_mpi OBJECT ${_kvattn_mpi_header_sources})
+  kvattn_project_target(kvattn_header_check_mpi)
+  target_link_libraries(kvattn_header_check_mpi PRIVATE kvattn::mpi)
 endif()
