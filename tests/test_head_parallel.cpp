@@ -1,0 +1,75 @@
+// [mpi][head_parallel]: a layer's heads split over 1-4 ranks by kvcalc's --tp rules
+// (kvattn/distributed/head_parallel.hpp) give what one process gives (double, 1e-12) for
+// GQA/MHA/MQA (KV heads split and replicated), MLA and LRKV, windows included; each
+// rank's cache bytes equal the analysis module's per-device figure (kvcalc --tp).
+#include <catch2/catch.hpp>
+
+#include "kvattn/analysis/cache_size.hpp"
+#include "kvattn/distributed/mpi.hpp"
+#include "mpi_cases.hpp"
+#include "test_util.hpp"
+
+using namespace kvattn;
+using kvattn::test::relative_error;
+
+namespace {
+
+template <class Layer>
+void check_head_parallel(const Layer& layer, std::uint64_t seed) {
+  const Index prompt = 9, decoded = 5;
+  const RowMatrix<double> x =
+      kvattn::test::random_input<double>(prompt + decoded, layer.config().d_model, seed);
+  auto cache = layer.make_cache();
+  const int ranks = kvattn::test::world_size();
+  mpi::HeadParallel<Layer> split(layer, MPI_COMM_WORLD);
+  CHECK(relative_error(split.prefill(x.topRows(prompt)), layer.prefill(x.topRows(prompt), cache)) <
+        1e-12);
+  for (Index i = prompt; i < prompt + decoded; ++i) {
+    CHECK(relative_error(split.decode(x.row(i)), layer.decode(x.row(i), cache)) < 1e-12);
+  }
+  CHECK(split.shard_layer().config().n_heads == layer.config().n_heads / ranks);
+  const Index per_token =
+      analysis::bytes_per_token_per_layer(layer.config(), analysis::storage_of<double>(), ranks);
+  CHECK(split.shard().bytes() == static_cast<std::size_t>(per_token * (prompt + decoded)));
+}
+
+bool fits(Index kv_heads, int ranks) { return kv_heads % ranks == 0 || ranks % kv_heads == 0; }
+
+}  // namespace
+
+TEST_CASE("head-parallel GQA-family equals one process", "[mpi][head_parallel]") {
+  const int ranks = kvattn::test::world_size();
+  for (const Index kv_heads : {12, 6, 4, 3, 2, 1}) {
+    if (!fits(kv_heads, ranks)) continue;
+    for (const bool sinks : {false, true}) {
+      INFO("ranks " << ranks << ", n_kv " << kv_heads << ", sink logits " << sinks);
+      check_head_parallel(
+          GqaLayer<double>::random(kvattn::test::mpi_gqa_config(kv_heads, sinks), 13), 14);
+    }
+  }
+  auto windowed = kvattn::test::mpi_gqa_config(4, false);
+  windowed.window = 5;
+  windowed.sink_tokens = 2;
+  if (fits(4, ranks)) check_head_parallel(GqaLayer<double>::random(windowed, 15), 16);
+}
+
+TEST_CASE("head-parallel MLA equals one process", "[mpi][head_parallel]") {
+  check_head_parallel(MlaLayer<double>::random(kvattn::test::mpi_mla_config(), 17), 18);
+}
+
+TEST_CASE("head-parallel LRKV equals one process", "[mpi][head_parallel]") {
+  check_head_parallel(LrkvLayer<double>::random(kvattn::test::mpi_lrkv_config(), 19), 20);
+}
+
+TEST_CASE("head-parallel refuses a rank count that does not fit", "[mpi][head_parallel]") {
+  const int ranks = kvattn::test::world_size();
+  auto config = kvattn::test::mpi_gqa_config(12, false);
+  config.n_heads = 5 * 12;  // H = 60: 1-4 ranks divide it, 7 would not
+  config.n_kv_heads = 5;    // 2, 3, 4 ranks neither divide 5 nor are multiples of it
+  const auto layer = GqaLayer<double>::random(config, 21);
+  if (ranks == 1) {
+    CHECK_NOTHROW(mpi::HeadParallel<GqaLayer<double>>(layer, MPI_COMM_WORLD));
+  } else {
+    CHECK_THROWS_AS(mpi::HeadParallel<GqaLayer<double>>(layer, MPI_COMM_WORLD), config_error);
+  }
+}
