@@ -63,6 +63,9 @@ LrkvConfig lrkv_config(LrkvRopeMode mode, bool key_norm) {
   }
   if (mode == LrkvRopeMode::decoupled) c.rope_dim = 4;
   c.key_norm = key_norm;
+  // The sink logits and the soft-cap: each enters a part's states differently.
+  c.sink_logits = key_norm;
+  c.logit_softcap = key_norm ? 0.0 : 2.5;
   return c;
 }
 
@@ -225,4 +228,30 @@ TEST_CASE("attend_states over a bf16 cache in float equals attend", "[attend_sta
   finish_states(states, from_states);
   CHECK(kvattn::test::relative_error(from_states.reshaped<Eigen::RowMajor>(1, layer.heads_width()),
                                      heads) < 1e-6);
+}
+
+TEST_CASE("attend_states split across threads merges to the reference", "[attend_states]") {
+  // Enough tokens that two threads split the sequence of MLA's and LRKV's one group
+  // (the driver's merged max and normalizer, row_max / row_sum, come from the split).
+  const Index length = 2600;
+  const auto mla = MlaLayer<double>::random(mla_config(), 51);
+  const auto lrkv = LrkvLayer<double>::random(lrkv_config(LrkvRopeMode::decoupled, true), 52);
+  auto check = [&](const auto& layer) {
+    const RowMatrix<double> x =
+        kvattn::test::random_input<double>(length, layer.config().d_model, 53);
+    auto cache = layer.make_cache();
+    layer.append(x, cache);
+    const RowMatrix<double> query = layer.project_query(x.bottomRows(1));
+    const RowMatrix<double> expected = reference::decode_step(layer, cache, query);
+    auto ws = layer.make_workspace(Threads{2});
+    SoftmaxStates<double> states;
+    layer.attend_states(query, length - 1, cache, states, ws, Threads{2});
+    add_sink_logits(layer.weights().sinks, states);
+    RowMatrix<double> heads(states.rows(), states.width());
+    finish_states(states, heads);
+    CHECK(kvattn::test::relative_error(heads.reshaped<Eigen::RowMajor>(1, layer.heads_width()),
+                                       expected) < 1e-12);
+  };
+  check(mla);
+  check(lrkv);
 }

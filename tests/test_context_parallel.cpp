@@ -5,6 +5,7 @@
 // rank and changes nothing.
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <limits>
 #include <vector>
 
 #include "kvattn/distributed/mpi.hpp"
@@ -110,12 +111,13 @@ TEST_CASE("context-parallel refuses bad input on every rank", "[mpi][context_par
   CHECK(sharded.sequence_length() == 0);
   CHECK(sharded.shard().tokens() == 0);
   CHECK(relative_error(sharded.prefill(x.topRows(3)), layer.prefill(x.topRows(3), cache)) < 1e-12);
-  // One rank's x of the wrong shape: every rank throws, the sequence is unchanged.
-  const RowMatrix<double> token =
-      rank == ranks - 1 ? RowMatrix<double>(x.row(3)) : RowMatrix<double>::Zero(1, d + 1);
+  // The last rank's x of the wrong shape: every rank throws, the sequence is unchanged.
   if (ranks > 1) {
+    const RowMatrix<double> token =
+        rank == ranks - 1 ? RowMatrix<double>::Zero(1, d + 1) : RowMatrix<double>(x.row(3));
     CHECK_THROWS_AS(sharded.decode(token), shape_error);
     CHECK(sharded.sequence_length() == 3);
+    CHECK(sharded.shard().tokens() == (rank == 0 ? 3 : 0));
   }
   // Ranks that disagree on a prompt's length.
   if (ranks > 1) {
@@ -137,4 +139,25 @@ TEST_CASE("context-parallel append, then decode", "[mpi][context_parallel]") {
   for (Index i = 12; i < 15; ++i) {
     CHECK(relative_error(sharded.decode(x.row(i)), layer.decode(x.row(i), cache)) < 1e-12);
   }
+}
+
+TEST_CASE("context-parallel: a failed append on one rank is taken back on all",
+          "[mpi][context_parallel]") {
+  // An int8 cache refuses non-finite rows; the infinite token is the second shard's, so
+  // with 2+ ranks rank 0's append goes through first and must be taken back.
+  const auto layer = GqaLayer<float>::random(kvattn::test::mpi_gqa_config(4, false), 25);
+  const int ranks = kvattn::test::world_size();
+  mpi::ContextParallel<GqaLayer<float>, Int8<>> sharded(layer, MPI_COMM_WORLD, 4);
+  RowMatrix<float> x = kvattn::test::random_input<float>(4 * ranks, layer.config().d_model, 26);
+  x(std::min(5, 4 * ranks - 1), 0) = std::numeric_limits<float>::infinity();
+  CHECK_THROWS_AS(sharded.prefill(x), value_error);
+  CHECK(sharded.sequence_length() == 0);
+  CHECK(sharded.shard().tokens() == 0);
+  CHECK_THROWS_AS(sharded.append(x), value_error);
+  CHECK(sharded.shard().tokens() == 0);
+  // The sequence goes on: the same tokens without the infinity.
+  x(std::min(5, 4 * ranks - 1), 0) = 0.5f;
+  auto cache = layer.make_cache<Int8<>>();
+  CHECK(relative_error(sharded.prefill(x), layer.prefill(x, cache)) < 1e-5);
+  CHECK(sharded.shard().tokens() == 4);
 }

@@ -73,3 +73,23 @@ TEST_CASE("head-parallel refuses a rank count that does not fit", "[mpi][head_pa
     CHECK_THROWS_AS(mpi::HeadParallel<GqaLayer<double>>(layer, MPI_COMM_WORLD), config_error);
   }
 }
+
+TEST_CASE("head-parallel refuses bad input on every rank", "[mpi][head_parallel]") {
+  const auto layer = GqaLayer<double>::random(kvattn::test::mpi_gqa_config(12, true), 22);
+  const Index d = layer.config().d_model;
+  const int ranks = kvattn::test::world_size();
+  const int rank = kvattn::test::world_rank();
+  const RowMatrix<double> x = kvattn::test::random_input<double>(6, d, 23);
+  mpi::HeadParallel<GqaLayer<double>> split(layer, MPI_COMM_WORLD);
+  auto cache = layer.make_cache();
+  CHECK(relative_error(split.prefill(x.topRows(4)), layer.prefill(x.topRows(4), cache)) < 1e-12);
+  if (ranks > 1) {
+    const RowMatrix<double> token =
+        rank == ranks - 1 ? RowMatrix<double>::Zero(1, d + 1) : RowMatrix<double>(x.row(4));
+    CHECK_THROWS_AS(split.decode(token), shape_error);
+    CHECK_THROWS_WITH(split.prefill(x.topRows(rank == 0 ? 2 : 1)), Catch::Contains("disagree"));
+  }
+  CHECK(split.sequence_length() == 4);
+  CHECK(relative_error(split.decode(x.row(4)), layer.decode(x.row(4), cache)) < 1e-12);
+  CHECK(split.sequence_length() == 5);
+}

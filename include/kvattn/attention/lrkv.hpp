@@ -317,12 +317,7 @@ class LrkvLayer {
     const int thread_count = threads.resolved();
     auto plan = prepare(ws, cache.sequence_length(), thread_count);
     plan.segment = detail::cache_segment(cache);
-    const Index dh = config_.head_dim;
-    const Index dr = config_.decoupled_dim();
-    for (Index h = 0; h < config_.n_heads; ++h) {
-      ws.query.segment(h * dh, dh) = query.row(0).segment(h * (dh + dr), dh);
-      ws.query_rope.segment(h * dr, dr) = query.row(0).segment(h * (dh + dr) + dh, dr);
-    }
+    load_query(query, ws);
     attend_prepared(cache, ws, plan, heads.data(), thread_count, cache.sequence_length() - 1);
   }
 
@@ -392,12 +387,7 @@ class LrkvLayer {
     const int thread_count = threads.resolved();
     auto plan = prepare(ws, visible, thread_count);
     plan.segment = detail::cache_segment(cache);
-    const Index dh = config_.head_dim;
-    const Index dr = config_.decoupled_dim();
-    for (Index h = 0; h < config_.n_heads; ++h) {
-      ws.query.segment(h * dh, dh) = query.row(0).segment(h * (dh + dr), dh);
-      ws.query_rope.segment(h * dr, dr) = query.row(0).segment(h * (dh + dr) + dh, dr);
-    }
+    load_query(query, ws);
     attend_prepared(cache, ws, plan, ws.heads.data(), thread_count, position, states.max.data(),
                     states.sum.data());
     detail::states_from_heads(ws.heads.data(), states);
@@ -539,6 +529,17 @@ class LrkvLayer {
                          detail::describe(cache.config()) +
                          " (or other RoPE/key-norm settings), the layer has " +
                          detail::describe(config_));
+    }
+  }
+
+  // attend's query layout (head h's [content | rope] side by side) into the workspace's
+  // separate content and rope rows.
+  void load_query(const ConstMatrixRef<T>& query, Workspace& ws) const {
+    const Index dh = config_.head_dim;
+    const Index dr = config_.decoupled_dim();
+    for (Index h = 0; h < config_.n_heads; ++h) {
+      ws.query.segment(h * dh, dh) = query.row(0).segment(h * (dh + dr), dh);
+      ws.query_rope.segment(h * dr, dr) = query.row(0).segment(h * (dh + dr) + dh, dr);
     }
   }
 

@@ -29,6 +29,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -58,16 +59,24 @@ class ContextParallel {
   /// rank's attention and projections.
   ContextParallel(const Layer& layer, MPI_Comm comm, Index shard_capacity, Threads threads = {})
       : comm_(comm),
-        capacity_(checked_capacity(layer, shard_capacity)),
-        first_(first_token(comm_.rank(), capacity_)),
-        layer_(moved_layer(layer, first_)),
-        cache_(layer_.template make_cache<S>()),
+        capacity_(checked_capacity(layer, shard_capacity, comm_.size())),
+        first_(capacity_ * comm_.rank()),
         threads_(threads),
         reduction_(layer.heads_width() / layer.config().n_heads) {
+    // Everything that may fail on one rank alone (allocations) runs inside the agreement.
     detail::agree(comm_, "ContextParallel", [&] {
-      threads_.resolved();
-      cache_.reserve(capacity_);
-      ws_ = layer_.make_workspace(threads_);
+      const int thread_count = threads_.resolved();
+      layer_.emplace(moved_layer(layer, first_));
+      cache_.emplace(layer_->template make_cache<S>());
+      cache_->reserve(capacity_);
+      ws_ = layer_->make_workspace(Threads{thread_count});
+      const Index heads = layer.config().n_heads;
+      kvattn::detail::reshape(records_, heads, reduction_.record_size());
+      kvattn::detail::reshape(merged_, heads, reduction_.record_size());
+      kvattn::detail::reshape(heads_, 1, layer.heads_width());
+      kvattn::detail::reshape(token_, 1, layer.config().d_model);
+      kvattn::detail::reshape(out_, 1, layer.config().d_model);
+      states_.reset(heads, reduction_.width());
     });
   }
 
@@ -83,10 +92,10 @@ class ContextParallel {
   /// The rank that holds (or will hold) the token at `position`.
   int owner(Index position) const { return static_cast<int>(position / capacity_); }
   /// This rank's shard: an ordinary cache of tokens [shard_first(), ...), read-only.
-  const cache_type& shard() const { return cache_; }
+  const cache_type& shard() const { return *cache_; }
   /// The layer of this rank's shard: the given layer with its RoPE offset moved by
   /// shard_first().
-  const Layer& shard_layer() const { return layer_; }
+  const Layer& shard_layer() const { return *layer_; }
 
   /// Collective: the causal prefill of L new tokens (x: L x d, significant on rank 0;
   /// every rank passes L x d). Returns the L x d output on every rank. length_error when
@@ -96,17 +105,20 @@ class ContextParallel {
     const Index past = length_;
     const RowMatrix<T> tokens = receive(where, x);
     const Index count = tokens.rows();
-    RowMatrix<T> out(count, layer_.config().d_model);
-    if (count == 0) return out;
-    append_own(where, tokens);
-    const RowMatrix<T> queries = layer_.project_query(tokens, threads_);
-    const Index heads = layer_.config().n_heads;
+    const Index heads = layer_->config().n_heads;
     const Index record = reduction_.record_size();
-    // Tokens per reduction: a few MiB of records, and an int count for MPI.
+    // Tokens per reduction: a few MiB of records.
     const Index chunk =
         std::max<Index>(1, Index{4} * 1024 * 1024 / (heads * record * Index{sizeof(T)}));
-    RowMatrix<T> mine(chunk * heads, record), merged(chunk * heads, record);
-    RowMatrix<T> heads_out(count, layer_.heads_width());
+    RowMatrix<T> out, queries, mine, merged, heads_out;
+    append_own(where, tokens, [&] {
+      out.resize(count, layer_->config().d_model);
+      queries = layer_->project_query(tokens, threads_);
+      mine.resize(chunk * heads, record);
+      merged.resize(chunk * heads, record);
+      heads_out.resize(count, layer_->heads_width());
+    });
+    if (count == 0) return out;
     for (Index c0 = 0; c0 < count; c0 += chunk) {
       const Index n = std::min(chunk, count - c0);
       for (Index i = 0; i < n; ++i) {
@@ -121,8 +133,9 @@ class ContextParallel {
         }
       }
     }
-    if (rank() == 0)
-      kvattn::detail::parallel_product(heads_out, layer_.weights().w_o, out, threads_.resolved());
+    if (rank() == 0) {
+      kvattn::detail::parallel_product(heads_out, layer_->weights().w_o, out, threads_.resolved());
+    }
     detail::broadcast(out, 0, comm_.get());
     return out;
   }
@@ -133,7 +146,7 @@ class ContextParallel {
   /// length_error past capacity(); a call that throws changes nothing.
   void append(const ConstMatrixRef<T>& x) {
     const RowMatrix<T> tokens = receive("ContextParallel::append", x);
-    append_own("ContextParallel::append", tokens);
+    append_own("ContextParallel::append", tokens, [] {});
   }
 
   /// Collective: one new token (x: 1 x d, significant on rank 0; every rank passes 1 x d)
@@ -141,7 +154,7 @@ class ContextParallel {
   /// full; a call that throws changes nothing.
   void decode(const ConstMatrixRef<T>& x, MatrixRef<T> out) {
     constexpr const char* where = "ContextParallel::decode";
-    const Index d = layer_.config().d_model;
+    const Index d = layer_->config().d_model;
     detail::agree(comm_, where, [&] {
       kvattn::detail::check_shape(where, "x", x, 1, d);
       kvattn::detail::check_shape(where, "out", out, 1, d);
@@ -150,22 +163,16 @@ class ContextParallel {
     });
     detail::broadcast(token_, 0, comm_.get());
     const Index position = length_;
-    detail::agree(comm_, where, [&] {
-      if (owner(position) == rank()) layer_.append(token_, cache_, threads_);
-    });
-    length_ = position + 1;
-    const Index heads = layer_.config().n_heads;
-    attend_position(layer_.project_query(token_, threads_), position);
-    kvattn::detail::reshape(records_, heads, reduction_.record_size());
-    kvattn::detail::reshape(merged_, heads, reduction_.record_size());
+    // The query is projected before the append (it allocates; the append must be last).
+    append_own(where, token_, [&] { query_ = layer_->project_query(token_, threads_); });
+    attend_position(query_, position);
+    const Index heads = layer_->config().n_heads;
     reduction_.pack(states_, records_.data());
     reduction_.reduce(records_.data(), merged_.data(), heads, 0, comm_.get());
-    kvattn::detail::reshape(heads_, 1, layer_.heads_width());
-    kvattn::detail::reshape(out_, 1, d);
     if (rank() == 0) {
       reduction_.unpack(merged_.data(), heads, states_);
       finish(heads_.data());
-      kvattn::detail::parallel_product(heads_, layer_.weights().w_o, out_, threads_.resolved());
+      kvattn::detail::parallel_product(heads_, layer_->weights().w_o, out_, threads_.resolved());
     }
     detail::broadcast(out_, 0, comm_.get());
     out = out_;
@@ -173,13 +180,14 @@ class ContextParallel {
 
   /// decode returning the 1 x d output.
   RowVector<T> decode(const ConstMatrixRef<T>& x) {
-    RowMatrix<T> out(1, layer_.config().d_model);
+    RowMatrix<T> out(1, layer_->config().d_model);
     decode(x, out);
     return out;
   }
 
  private:
-  static Index checked_capacity(const Layer& layer, Index capacity) {
+  // config_error, the same on every rank, unless the layout fits the layer.
+  static Index checked_capacity(const Layer& layer, Index capacity, int ranks) {
     if (capacity < 1) {
       throw config_error("ContextParallel: shard_capacity (" + std::to_string(capacity) +
                          ") must be >= 1 token per rank");
@@ -190,15 +198,12 @@ class ContextParallel {
                          "); a shard cannot tell which of its tokens a later query sees (use "
                          "HeadParallel, or window 0)");
     }
-    return capacity;
-  }
-
-  static Index first_token(int rank, Index capacity) {
-    if (capacity > RopeConfig::kMaxPositionOffset / (rank + 1)) {
-      throw config_error("ContextParallel: shard_capacity (" + std::to_string(capacity) +
-                         ") times the rank count passes RoPE's largest position");
+    const Index room = RopeConfig::kMaxPositionOffset - layer.config().rope.position_offset;
+    if (capacity > room / ranks) {
+      throw config_error("ContextParallel: shard_capacity (" + std::to_string(capacity) + ") x " +
+                         std::to_string(ranks) + " ranks passes RoPE's largest position (2^53)");
     }
-    return capacity * rank;
+    return capacity;
   }
 
   static Layer moved_layer(const Layer& layer, Index first) {
@@ -212,7 +217,7 @@ class ContextParallel {
     RowMatrix<T> tokens;
     detail::agree_rows(comm_, where, x.rows());
     detail::agree(comm_, where, [&] {
-      kvattn::detail::check_shape(where, "x", x, -1, layer_.config().d_model);
+      kvattn::detail::check_shape(where, "x", x, -1, layer_->config().d_model);
       check_room(where, x.rows());
       tokens = x;
     });
@@ -220,16 +225,27 @@ class ContextParallel {
     return tokens;
   }
 
-  // Appends the rows of this rank's share of `tokens`, the sequence's next tokens.
-  void append_own(const char* where, const RowMatrix<T>& tokens) {
+  // Runs `prepare` (which may allocate) on every rank, then appends the rows of this
+  // rank's share of `tokens`, the sequence's next tokens. When any rank fails, every
+  // rank throws and a rank whose own append went through takes it back: nothing changed.
+  template <class Prepare>
+  void append_own(const char* where, const RowMatrix<T>& tokens, Prepare&& prepare) {
     const Index past = length_;
     const Index count = tokens.rows();
     const Index begin = std::clamp(first_, past, past + count);
     const Index end = std::clamp(first_ + capacity_, past, past + count);
-    detail::agree(comm_, where, [&] {
-      if (end > begin)
-        layer_.append(tokens.middleRows(begin - past, end - begin), cache_, threads_);
-    });
+    const Index held = cache_->tokens();
+    try {
+      detail::agree(comm_, where, [&] {
+        prepare();
+        if (end > begin) {
+          layer_->append(tokens.middleRows(begin - past, end - begin), *cache_, threads_);
+        }
+      });
+    } catch (...) {
+      if (cache_->tokens() != held) cache_->truncate(held);
+      throw;
+    }
     length_ = past + count;
   }
 
@@ -245,16 +261,16 @@ class ContextParallel {
   // states_ = this rank's partial state of the query of the token at `position` (empty
   // when the shard starts after it).
   void attend_position(const ConstMatrixRef<T>& query, Index position) {
-    if (position < first_ || cache_.tokens() == 0) {
-      states_.reset(layer_.config().n_heads, reduction_.width());
+    if (position < first_ || cache_->tokens() == 0) {
+      states_.reset(layer_->config().n_heads, reduction_.width());
       return;
     }
-    layer_.attend_states(query, position - first_, cache_, states_, ws_, threads_);
+    layer_->attend_states(query, position - first_, *cache_, states_, ws_, threads_);
   }
 
   // The merged states_ with the sink logits, normalized into heads (H * width scalars).
   void finish(T* heads) {
-    if (layer_.config().sink_logits) add_sink_logits(layer_.weights().sinks, states_);
+    if (layer_->config().sink_logits) add_sink_logits(layer_->weights().sinks, states_);
     const Index width = reduction_.width();
     for (Index h = 0; h < states_.rows(); ++h) {
       kvattn::detail::finish_state_row(states_.max(h), states_.sum(h), states_.acc.row(h).data(),
@@ -265,14 +281,14 @@ class ContextParallel {
   detail::Communicator comm_;
   Index capacity_;
   Index first_;
-  Layer layer_;
-  cache_type cache_;
   Threads threads_;
   detail::StatesReduction<T> reduction_;
+  std::optional<Layer> layer_;
+  std::optional<cache_type> cache_;
   typename Layer::Workspace ws_;
   Index length_ = 0;
   SoftmaxStates<T> states_;
-  RowMatrix<T> token_, records_, merged_, heads_, out_;
+  RowMatrix<T> token_, query_, records_, merged_, heads_, out_;
 };
 
 }  // namespace kvattn::mpi

@@ -43,6 +43,10 @@ class HeadParallel {
       layer_.emplace(shard_heads(layer, comm_.rank(), comm_.size()));
       cache_.emplace(layer_->template make_cache<S>(reserve_tokens));
       ws_ = layer_->make_workspace(threads_);
+      const Index d = layer.config().d_model;
+      kvattn::detail::reshape(token_, 1, d);
+      kvattn::detail::reshape(partial_, 1, d);
+      kvattn::detail::reshape(out_, 1, d);
     });
   }
 
@@ -59,18 +63,18 @@ class HeadParallel {
   RowMatrix<T> prefill(const ConstMatrixRef<T>& x) {
     constexpr const char* where = "HeadParallel::prefill";
     const Index d = layer_->config().d_model;
-    RowMatrix<T> tokens;
+    RowMatrix<T> tokens, partial, out;
     detail::agree_rows(comm_, where, x.rows());
     detail::agree(comm_, where, [&] {
       kvattn::detail::check_shape(where, "x", x, -1, d);
       tokens = x;
+      out.resize(x.rows(), d);
     });
-    RowMatrix<T> out(x.rows(), d);
     if (x.rows() == 0) return out;
     detail::broadcast(tokens, 0, comm_.get());
-    RowMatrix<T> partial;
-    detail::agree(comm_, where, [&] { partial = layer_->prefill(tokens, *cache_, threads_); });
-    sum_to_all(partial, out);
+    step(where, [&] { partial = layer_->prefill(tokens, *cache_, threads_); });
+    detail::sum_to_root(partial, out, 0, comm_.get());
+    detail::broadcast(out, 0, comm_.get());
     return out;
   }
 
@@ -83,12 +87,11 @@ class HeadParallel {
       kvattn::detail::check_shape(where, "x", x, 1, d);
       kvattn::detail::check_shape(where, "out", out, 1, d);
       token_ = x;
-      kvattn::detail::reshape(partial_, 1, d);
-      kvattn::detail::reshape(out_, 1, d);
     });
     detail::broadcast(token_, 0, comm_.get());
-    detail::agree(comm_, where, [&] { layer_->decode(token_, *cache_, partial_, ws_, threads_); });
-    sum_to_all(partial_, out_);
+    step(where, [&] { layer_->decode(token_, *cache_, partial_, ws_, threads_); });
+    detail::sum_to_root(partial_, out_, 0, comm_.get());
+    detail::broadcast(out_, 0, comm_.get());
     out = out_;
   }
 
@@ -100,12 +103,18 @@ class HeadParallel {
   }
 
  private:
-  // out = the sum of every rank's `partial` (same shape), on every rank.
-  void sum_to_all(const RowMatrix<T>& partial, RowMatrix<T>& out) const {
-    detail::check(MPI_Reduce(partial.data(), out.data(), static_cast<int>(partial.size()),
-                             detail::scalar_type<T>(), MPI_SUM, 0, comm_.get()),
-                  "MPI_Reduce");
-    detail::broadcast(out, 0, comm_.get());
+  // Runs this rank's part of a step (which appends to its cache) under the agreement:
+  // when any rank's part fails, every rank throws, and a rank whose part went through
+  // truncates its cache back, so that the ranks' caches stay in step.
+  template <class Part>
+  void step(const char* where, Part&& part) {
+    const Index held = cache_->sequence_length();
+    try {
+      detail::agree(comm_, where, part);
+    } catch (...) {
+      if (cache_->sequence_length() != held) cache_->truncate(held);
+      throw;
+    }
   }
 
   detail::Communicator comm_;

@@ -11,13 +11,13 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <exception>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/softmax_states.hpp"
@@ -85,9 +85,42 @@ class Communicator {
   int size_ = 1;
 };
 
+/// The kvattn error kinds a refused call is reported as on the ranks that did not fail.
+enum class ErrorKind : int { none = 0, config, shape, value, length, other };
+
+inline ErrorKind kind_of(const std::exception_ptr& failure) {
+  try {
+    std::rethrow_exception(failure);
+  } catch (const config_error&) {
+    return ErrorKind::config;
+  } catch (const shape_error&) {
+    return ErrorKind::shape;
+  } catch (const value_error&) {
+    return ErrorKind::value;
+  } catch (const length_error&) {
+    return ErrorKind::length;
+  } catch (...) {
+    return ErrorKind::other;
+  }
+}
+
+[[noreturn]] inline void throw_as(ErrorKind kind, const std::string& message) {
+  switch (kind) {
+    case ErrorKind::config:
+      throw config_error(message);
+    case ErrorKind::value:
+      throw value_error(message);
+    case ErrorKind::length:
+      throw length_error(message);
+    default:
+      throw shape_error(message);
+  }
+}
+
 /// Runs `checks` on this rank, then agrees with every rank: if any rank's checks threw,
-/// all ranks throw (a rank whose own checks threw rethrows its error; the others throw
-/// shape_error naming the first failing rank). Collective.
+/// all ranks throw. A rank whose own checks threw rethrows its error; the others throw
+/// an error of the same kvattn type (shape_error for anything else) naming the lowest
+/// failing rank. Collective.
 template <class Checks>
 void agree(const Communicator& comm, const char* where, Checks&& checks) {
   std::exception_ptr failure;
@@ -96,14 +129,17 @@ void agree(const Communicator& comm, const char* where, Checks&& checks) {
   } catch (...) {
     failure = std::current_exception();
   }
-  // The lowest failing rank, or size() when none failed.
-  const int mine = failure ? comm.rank() : comm.size();
-  int first_failed = comm.size();
-  check(MPI_Allreduce(&mine, &first_failed, 1, MPI_INT, MPI_MIN, comm.get()), "MPI_Allreduce");
+  // MINLOC over (rank, kind) pairs: the lowest failing rank and its error's kind (ranks
+  // that did not fail send size(), which loses to every rank).
+  const int mine[2] = {failure ? comm.rank() : comm.size(),
+                       static_cast<int>(failure ? kind_of(failure) : ErrorKind::none)};
+  int first[2] = {comm.size(), 0};
+  check(MPI_Allreduce(mine, first, 1, MPI_2INT, MPI_MINLOC, comm.get()), "MPI_Allreduce");
   if (failure) std::rethrow_exception(failure);
-  if (first_failed < comm.size()) {
-    throw shape_error(std::string(where) + ": rank " + std::to_string(first_failed) +
-                      " refused the call (its own exception says why); nothing was changed");
+  if (first[0] < comm.size()) {
+    throw_as(static_cast<ErrorKind>(first[1]),
+             std::string(where) + ": rank " + std::to_string(first[0]) +
+                 " refused the call (its own exception says why); nothing was changed");
   }
 }
 
@@ -201,12 +237,32 @@ class StatesReduction {
   MPI_Op op_ = MPI_OP_NULL;
 };
 
+/// Runs op(offset, count) over [0, size) in pieces whose count fits MPI's int.
+template <class Op>
+void in_int_pieces(Index size, Op&& op) {
+  constexpr Index kPiece = Index{1} << 30;
+  for (Index offset = 0; offset < size; offset += kPiece)
+    op(offset, static_cast<int>(std::min(kPiece, size - offset)));
+}
+
 /// Broadcasts rows x cols scalars of `m` from `root` (m already has that shape on every
 /// rank). Collective.
 template <class T>
 void broadcast(RowMatrix<T>& m, int root, MPI_Comm comm) {
-  if (m.size() == 0) return;
-  check(MPI_Bcast(m.data(), static_cast<int>(m.size()), scalar_type<T>(), root, comm), "MPI_Bcast");
+  in_int_pieces(m.size(), [&](Index offset, int count) {
+    check(MPI_Bcast(m.data() + offset, count, scalar_type<T>(), root, comm), "MPI_Bcast");
+  });
+}
+
+/// `sum` on rank `root` = the element-wise sum of every rank's `part` (same shapes on
+/// every rank; `sum` significant on the root only). Collective.
+template <class T>
+void sum_to_root(const RowMatrix<T>& part, RowMatrix<T>& sum, int root, MPI_Comm comm) {
+  in_int_pieces(part.size(), [&](Index offset, int count) {
+    check(MPI_Reduce(part.data() + offset, sum.data() + offset, count, scalar_type<T>(), MPI_SUM,
+                     root, comm),
+          "MPI_Reduce");
+  });
 }
 
 }  // namespace detail
