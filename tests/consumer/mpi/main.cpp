@@ -1,10 +1,13 @@
-// A user's program: with kvattn::mpi it includes kvattn's MPI header and starts and
-// stops MPI (run directly, as a one-rank singleton); without it, plain kvattn::kvattn.
+// A user's program: with kvattn::mpi it includes kvattn's MPI header, starts MPI (run
+// directly, as a one-rank singleton) and decodes through both kinds of parallel layer, so
+// that their templates compile under the consumer's own flags; without it, plain
+// kvattn::kvattn.
 #include <cstdio>
 
 #include <kvattn/version.hpp>
 #if KVATTN_CONSUMER_MPI
 #include <kvattn/distributed/mpi.hpp>
+#include <kvattn/kvattn.hpp>
 #endif
 
 int main(int argc, char* argv[]) {
@@ -12,7 +15,17 @@ int main(int argc, char* argv[]) {
 #if KVATTN_CONSUMER_MPI
   MPI_Init(&argc, &argv);
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  bool finite = true;
+  {
+    const auto layer = kvattn::GqaLayer<float>::random(kvattn::gqa_config(16, 4, 4, 2), 1);
+    const kvattn::RowMatrix<float> x = kvattn::RowMatrix<float>::Ones(3, 16);
+    kvattn::mpi::ContextParallel<kvattn::GqaLayer<float>> by_tokens(layer, MPI_COMM_WORLD, 8);
+    kvattn::mpi::HeadParallel<kvattn::GqaLayer<float>> by_heads(layer, MPI_COMM_WORLD);
+    finite = by_tokens.prefill(x.topRows(2)).allFinite() &&
+             by_tokens.decode(x.row(2)).allFinite() && by_heads.prefill(x).allFinite();
+  }
   MPI_Finalize();
+  if (!finite) return 1;
 #else
   (void)argc;
   (void)argv;
