@@ -1,13 +1,24 @@
 // [mpi][head_parallel]: a layer's heads split over 1-4 ranks by kvcalc's --tp rules
 // (kvattn/distributed/head_parallel.hpp) give what one process gives (double, 1e-12) for
 // GQA/MHA/MQA (KV heads split and replicated), MLA and LRKV, windows included; each
-// rank's cache bytes equal the analysis module's per-device figure (kvcalc --tp).
+// rank's cache bytes equal the analysis module's per-device figure and, when the tools
+// are built (KVATTN_TEST_KVCALC), what kvcalc --tp <ranks> --json prints per device, run
+// in-process through kvcalc_core.
 #include <catch2/catch.hpp>
+
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "kvattn/analysis/cache_size.hpp"
 #include "kvattn/distributed/mpi.hpp"
 #include "mpi_cases.hpp"
 #include "test_util.hpp"
+#if KVATTN_TEST_KVCALC
+#include <nlohmann/json.hpp>
+
+#include "kvcalc.hpp"
+#endif
 
 using namespace kvattn;
 using kvattn::test::relative_error;
@@ -93,3 +104,85 @@ TEST_CASE("head-parallel refuses bad input on every rank", "[mpi][head_parallel]
   CHECK(relative_error(split.decode(x.row(4)), layer.decode(x.row(4), cache)) < 1e-12);
   CHECK(split.sequence_length() == 5);
 }
+
+#if KVATTN_TEST_KVCALC
+namespace kvcalc_check {
+
+// kvcalc's per-device bytes per token of mechanism `name` (one layer).
+Index kvcalc_device_bytes(std::vector<std::string> args, const std::string& name) {
+  args.push_back("--json");
+  std::ostringstream out, err;
+  kvcalc::Io io;
+  io.out = &out;
+  io.err = &err;
+  const int status = kvcalc::run(args, io);
+  INFO(err.str());
+  REQUIRE(status == 0);
+  const auto j = nlohmann::json::parse(out.str());
+  for (const auto& row : j.at("mechanisms")) {
+    if (row.at("name") == name) return row.at("per_device").at("bytes_per_token").get<Index>();
+  }
+  FAIL("kvcalc printed no row " << name);
+  return -1;
+}
+
+template <class S, class Layer>
+Index rank_bytes_per_token(const Layer& layer, Index tokens) {
+  mpi::HeadParallel<Layer, S> split(layer, MPI_COMM_WORLD);
+  split.prefill(kvattn::test::random_input<float>(tokens, layer.config().d_model, 3));
+  return static_cast<Index>(split.shard().bytes()) / tokens;
+}
+
+// kvcalc's shape flags every mechanism shares, 12 heads (its --kv-heads must fit --heads
+// and --tp even when only MLA or LRKV is printed).
+std::vector<std::string> common(const char* dtype, Index kv_heads, int ranks) {
+  return {"--layers",   "1",
+          "--heads",    "12",
+          "--kv-heads", std::to_string(kv_heads),
+          "--dtype",    dtype,
+          "--tp",       std::to_string(ranks)};
+}
+
+template <class S>
+void check_all(const char* dtype) {
+  const int ranks = kvattn::test::world_size();
+  const Index tokens = 7;
+  for (const Index kv_heads : {12, 4, 2, 1}) {
+    if (kv_heads % ranks != 0 && ranks % kv_heads != 0) continue;
+    INFO(dtype << ", ranks " << ranks << ", n_kv " << kv_heads);
+    auto config = kvattn::test::mpi_gqa_config(kv_heads, false);
+    config.rope = {};
+    const auto layer = GqaLayer<float>::random(config, 1);
+    auto args = common(dtype, kv_heads, ranks);
+    args.insert(args.end(), {"--head-dim", "6", "--d-model", "20", "--mechanism", "GQA"});
+    CHECK(rank_bytes_per_token<S>(layer, tokens) == kvcalc_device_bytes(args, "GQA"));
+  }
+  {
+    const MlaConfig config = kvattn::test::mpi_mla_config();
+    const auto layer = MlaLayer<float>::random(config, 2);
+    auto args = common(dtype, 12, ranks);
+    args.insert(args.end(), {"--head-dim", "4", "--d-model", "16", "--kv-rank", "10", "--q-rank",
+                             "8", "--rope-dim", "4", "--v-dim", "3", "--mechanism", "MLA"});
+    CHECK(rank_bytes_per_token<S>(layer, tokens) == kvcalc_device_bytes(args, "MLA"));
+  }
+  {
+    LrkvConfig config;  // kvcalc's LRKV: no RoPE, no key norm
+    config.d_model = 16;
+    config.n_heads = 12;
+    config.head_dim = 4;
+    config.rank = 2;
+    const auto layer = LrkvLayer<float>::random(config, 3);
+    auto args = common(dtype, 12, ranks);
+    args.insert(args.end(),
+                {"--head-dim", "4", "--d-model", "16", "--lrkv-rank", "2", "--mechanism", "LRKV"});
+    CHECK(rank_bytes_per_token<S>(layer, tokens) == kvcalc_device_bytes(args, "LRKV"));
+  }
+}
+
+}  // namespace kvcalc_check
+
+TEST_CASE("head-parallel per-rank bytes equal kvcalc --tp", "[mpi][head_parallel][kvcalc]") {
+  kvcalc_check::check_all<float>("fp32");
+  kvcalc_check::check_all<Eigen::bfloat16>("bf16");
+}
+#endif  // KVATTN_TEST_KVCALC
