@@ -338,8 +338,8 @@ class GqaLayer {
     check_cache(cache, where);
     detail::check_shape(where, "x", x, -1, config_.d_model);
     if (x.rows() == 0) return;
-    RowMatrix<T> query, key, value;
-    project(x, cache.sequence_length(), query, key, value, threads.resolved());
+    RowMatrix<T> key, value;
+    project_rows(x, cache.sequence_length(), key, value, threads.resolved());
     cache.append(key, value);
   }
 
@@ -490,20 +490,28 @@ class GqaLayer {
   // Q, K, V of x with biases and RoPE; token i sits at cache index past + i.
   void project(const ConstMatrixRef<T>& x, Index past, RowMatrix<T>& query, RowMatrix<T>& key,
                RowMatrix<T>& value, int threads) const {
-    query.resize(x.rows(), weights_.w_q.cols());
+    query = project_query(x, Threads{threads});
+    for (Index i = 0; i < x.rows(); ++i) {
+      const double position = static_cast<double>(config_.rope.position_offset + past + i);
+      rope_.rotate(query.row(i).data(), position, config_.n_heads, config_.head_dim);
+    }
+    project_rows(x, past, key, value, threads);
+  }
+
+  // K and V of x as the cache stores them (biases, RoPE on K): what append needs, without
+  // the query's projection (W_Q is the largest weight a decode step reads).
+  void project_rows(const ConstMatrixRef<T>& x, Index past, RowMatrix<T>& key, RowMatrix<T>& value,
+                    int threads) const {
     key.resize(x.rows(), weights_.w_k.cols());
     value.resize(x.rows(), weights_.w_v.cols());
-    detail::parallel_product(x, weights_.w_q, query, threads);
     detail::parallel_product(x, weights_.w_k, key, threads);
     detail::parallel_product(x, weights_.w_v, value, threads);
     if (config_.qkv_bias) {
-      query.rowwise() += weights_.bias_q;
       key.rowwise() += weights_.bias_k;
       value.rowwise() += weights_.bias_v;
     }
     for (Index i = 0; i < x.rows(); ++i) {
       const double position = static_cast<double>(config_.rope.position_offset + past + i);
-      rope_.rotate(query.row(i).data(), position, config_.n_heads, config_.head_dim);
       rope_.rotate(key.row(i).data(), position, config_.n_kv_heads, config_.head_dim);
     }
   }

@@ -404,8 +404,8 @@ class MlaLayer {
     check_cache(cache, where);
     detail::check_shape(where, "x", x, -1, config_.d_model);
     if (x.rows() == 0) return;
-    RowMatrix<T> query, latent, rope_keys;
-    project(x, cache.sequence_length(), query, latent, rope_keys, threads.resolved());
+    RowMatrix<T> latent, rope_keys;
+    project_rows(x, cache.sequence_length(), latent, rope_keys, threads.resolved());
     cache.append(latent, rope_keys);
   }
 
@@ -569,14 +569,24 @@ class MlaLayer {
                RowMatrix<T>& rope_keys, int threads) const {
     const MlaConfig& c = config_;
     query = project_query(x, Threads{threads});
+    for (Index i = 0; i < x.rows(); ++i) {
+      const double position = static_cast<double>(c.rope.position_offset + past + i);
+      rope_.rotate(query.row(i).data() + c.qk_nope_dim, position, c.n_heads, c.qk_head_dim());
+    }
+    project_rows(x, past, latent, rope_keys, threads);
+  }
+
+  // The cache rows of x (normalized latents, rotated rope keys): what append needs,
+  // without the query's projection.
+  void project_rows(const ConstMatrixRef<T>& x, Index past, RowMatrix<T>& latent,
+                    RowMatrix<T>& rope_keys, int threads) const {
+    const MlaConfig& c = config_;
     latent.resize(x.rows(), c.kv_rank);
     detail::parallel_product(x, weights_.w_dkv, latent, threads);
     if (c.kv_norm) norm_rows(latent, weights_.kv_norm_gain);
     rope_keys.noalias() = x * weights_.w_kr;
     for (Index i = 0; i < x.rows(); ++i) {
-      const double position = static_cast<double>(c.rope.position_offset + past + i);
-      rope_.rotate(query.row(i).data() + c.qk_nope_dim, position, c.n_heads, c.qk_head_dim());
-      rope_.rotate(rope_keys.row(i).data(), position);
+      rope_.rotate(rope_keys.row(i).data(), static_cast<double>(c.rope.position_offset + past + i));
     }
   }
 
