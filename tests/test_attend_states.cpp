@@ -158,7 +158,7 @@ void check_errors(const Layer& layer) {
   CHECK_THROWS_AS(layer.attend_states(query, -1, cache, states, ws), shape_error);
   const RowMatrix<double> wide = RowMatrix<double>::Zero(1, layer.query_width() + 1);
   CHECK_THROWS_WITH(layer.attend_states(wide, 2, cache, states, ws), Catch::Contains("query"));
-  // Every head of a query before the cache's first token sees nothing: empty states.
+  // A cache with no token gives every head an empty state (a shard nothing was appended to).
   auto empty = layer.make_cache();
   layer.attend_states(query, 0, empty, states, ws);
   CHECK(states.rows() == layer.config().n_heads);

@@ -87,7 +87,7 @@ Fixture<Layer>& fixture(const std::string& key, const Layer& layer, Index length
   static std::map<std::string, std::unique_ptr<Fixture<Layer>>> fixtures;
   const auto found = fixtures.find(key);
   if (found != fixtures.end()) return *found->second;
-  fixtures.clear();  // one sequence in memory at a time
+  fixtures.clear();  // one sequence per layer type in memory at a time
   auto& made = fixtures[key];
   made = std::make_unique<Fixture<Layer>>(layer, length);
   return *made;

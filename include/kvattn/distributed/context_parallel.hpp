@@ -155,13 +155,10 @@ class ContextParallel {
   void decode(const ConstMatrixRef<T>& x, MatrixRef<T> out) {
     constexpr const char* where = "ContextParallel::decode";
     const Index d = layer_->config().d_model;
-    detail::agree(comm_, where, [&] {
-      kvattn::detail::check_shape(where, "x", x, 1, d);
+    detail::receive(comm_, where, x, 1, d, token_, [&] {
       kvattn::detail::check_shape(where, "out", out, 1, d);
       check_room(where, 1);
-      token_ = x;
     });
-    detail::broadcast(token_, 0, comm_.get());
     const Index position = length_;
     // The query is projected before the append (it allocates; the append must be last).
     append_own(where, token_, [&] { query_ = layer_->project_query(token_, threads_); });
@@ -215,13 +212,8 @@ class ContextParallel {
   // Rank 0's x (L x d) on every rank, after every rank agreed that it fits.
   RowMatrix<T> receive(const char* where, const ConstMatrixRef<T>& x) const {
     RowMatrix<T> tokens;
-    detail::agree_rows(comm_, where, x.rows());
-    detail::agree(comm_, where, [&] {
-      kvattn::detail::check_shape(where, "x", x, -1, layer_->config().d_model);
-      check_room(where, x.rows());
-      tokens = x;
-    });
-    detail::broadcast(tokens, 0, comm_.get());
+    detail::receive(comm_, where, x, -1, layer_->config().d_model, tokens,
+                    [&] { check_room(where, x.rows()); });
     return tokens;
   }
 
@@ -234,18 +226,12 @@ class ContextParallel {
     const Index count = tokens.rows();
     const Index begin = std::clamp(first_, past, past + count);
     const Index end = std::clamp(first_ + capacity_, past, past + count);
-    const Index held = cache_->tokens();
-    try {
-      detail::agree(comm_, where, [&] {
-        prepare();
-        if (end > begin) {
-          layer_->append(tokens.middleRows(begin - past, end - begin), *cache_, threads_);
-        }
-      });
-    } catch (...) {
-      if (cache_->tokens() != held) cache_->truncate(held);
-      throw;
-    }
+    detail::agree_or_undo(comm_, where, *cache_, [&] {
+      prepare();
+      if (end > begin) {
+        layer_->append(tokens.middleRows(begin - past, end - begin), *cache_, threads_);
+      }
+    });
     length_ = past + count;
   }
 

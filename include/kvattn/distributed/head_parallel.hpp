@@ -64,15 +64,10 @@ class HeadParallel {
     constexpr const char* where = "HeadParallel::prefill";
     const Index d = layer_->config().d_model;
     RowMatrix<T> tokens, partial, out;
-    detail::agree_rows(comm_, where, x.rows());
-    detail::agree(comm_, where, [&] {
-      kvattn::detail::check_shape(where, "x", x, -1, d);
-      tokens = x;
-      out.resize(x.rows(), d);
-    });
+    detail::receive(comm_, where, x, -1, d, tokens, [&] { out.resize(x.rows(), d); });
     if (x.rows() == 0) return out;
-    detail::broadcast(tokens, 0, comm_.get());
-    step(where, [&] { partial = layer_->prefill(tokens, *cache_, threads_); });
+    detail::agree_or_undo(comm_, where, *cache_,
+                          [&] { partial = layer_->prefill(tokens, *cache_, threads_); });
     detail::sum_to_root(partial, out, 0, comm_.get());
     detail::broadcast(out, 0, comm_.get());
     return out;
@@ -83,13 +78,10 @@ class HeadParallel {
   void decode(const ConstMatrixRef<T>& x, MatrixRef<T> out) {
     constexpr const char* where = "HeadParallel::decode";
     const Index d = layer_->config().d_model;
-    detail::agree(comm_, where, [&] {
-      kvattn::detail::check_shape(where, "x", x, 1, d);
-      kvattn::detail::check_shape(where, "out", out, 1, d);
-      token_ = x;
-    });
-    detail::broadcast(token_, 0, comm_.get());
-    step(where, [&] { layer_->decode(token_, *cache_, partial_, ws_, threads_); });
+    detail::receive(comm_, where, x, 1, d, token_,
+                    [&] { kvattn::detail::check_shape(where, "out", out, 1, d); });
+    detail::agree_or_undo(comm_, where, *cache_,
+                          [&] { layer_->decode(token_, *cache_, partial_, ws_, threads_); });
     detail::sum_to_root(partial_, out_, 0, comm_.get());
     detail::broadcast(out_, 0, comm_.get());
     out = out_;
@@ -103,20 +95,6 @@ class HeadParallel {
   }
 
  private:
-  // Runs this rank's part of a step (which appends to its cache) under the agreement:
-  // when any rank's part fails, every rank throws, and a rank whose part went through
-  // truncates its cache back, so that the ranks' caches stay in step.
-  template <class Part>
-  void step(const char* where, Part&& part) {
-    const Index held = cache_->sequence_length();
-    try {
-      detail::agree(comm_, where, part);
-    } catch (...) {
-      if (cache_->sequence_length() != held) cache_->truncate(held);
-      throw;
-    }
-  }
-
   detail::Communicator comm_;
   Threads threads_;
   std::optional<Layer> layer_;

@@ -156,6 +156,63 @@ inline void agree_rows(const Communicator& comm, const char* where, Index rows) 
   }
 }
 
+/// Runs op(offset, count) over [0, size) in pieces whose count fits MPI's int.
+template <class Op>
+void in_int_pieces(Index size, Op&& op) {
+  constexpr Index kPiece = Index{1} << 30;
+  for (Index offset = 0; offset < size; offset += kPiece)
+    op(offset, static_cast<int>(std::min(kPiece, size - offset)));
+}
+
+/// Broadcasts rows x cols scalars of `m` from `root` (m already has that shape on every
+/// rank). Collective.
+template <class T>
+void broadcast(RowMatrix<T>& m, int root, MPI_Comm comm) {
+  in_int_pieces(m.size(), [&](Index offset, int count) {
+    check(MPI_Bcast(m.data() + offset, count, scalar_type<T>(), root, comm), "MPI_Bcast");
+  });
+}
+
+/// `sum` on rank `root` = the element-wise sum of every rank's `part` (same shapes on
+/// every rank; `sum` significant on the root only). Collective.
+template <class T>
+void sum_to_root(const RowMatrix<T>& part, RowMatrix<T>& sum, int root, MPI_Comm comm) {
+  in_int_pieces(part.size(), [&](Index offset, int count) {
+    check(MPI_Reduce(part.data() + offset, sum.data() + offset, count, scalar_type<T>(), MPI_SUM,
+                     root, comm),
+          "MPI_Reduce");
+  });
+}
+
+/// Rank 0's x into `tokens` on every rank (an MPI_Bcast), once every rank agreed that its
+/// own x is rows x cols (rows < 0: any count, the same on every rank) and that `checks`
+/// (the call's other checks and allocations) passed. Collective.
+template <class T, class Checks>
+void receive(const Communicator& comm, const char* where, const ConstMatrixRef<T>& x, Index rows,
+             Index cols, RowMatrix<T>& tokens, Checks&& checks) {
+  if (rows < 0) agree_rows(comm, where, x.rows());
+  agree(comm, where, [&] {
+    kvattn::detail::check_shape(where, "x", x, rows, cols);
+    checks();
+    tokens = x;
+  });
+  broadcast(tokens, 0, comm.get());
+}
+
+/// agree over `part`, this rank's share of a step that appends to `cache`: when any
+/// rank's part fails, every rank throws, and a rank whose part went through truncates
+/// `cache` back, so that no rank's cache moves ahead of the others'. Collective.
+template <class Cache, class Part>
+void agree_or_undo(const Communicator& comm, const char* where, Cache& cache, Part&& part) {
+  const Index held = cache.sequence_length();
+  try {
+    agree(comm, where, part);
+  } catch (...) {
+    if (cache.sequence_length() != held) cache.truncate(held);
+    throw;
+  }
+}
+
 /// Partial softmax states packed for MPI: one record per state row,
 /// [max, sum, acc (width)], and the reduction that merges two arrays of them record by
 /// record (core/softmax_states.hpp's exact merge).
@@ -236,34 +293,6 @@ class StatesReduction {
   MPI_Datatype record_ = MPI_DATATYPE_NULL;
   MPI_Op op_ = MPI_OP_NULL;
 };
-
-/// Runs op(offset, count) over [0, size) in pieces whose count fits MPI's int.
-template <class Op>
-void in_int_pieces(Index size, Op&& op) {
-  constexpr Index kPiece = Index{1} << 30;
-  for (Index offset = 0; offset < size; offset += kPiece)
-    op(offset, static_cast<int>(std::min(kPiece, size - offset)));
-}
-
-/// Broadcasts rows x cols scalars of `m` from `root` (m already has that shape on every
-/// rank). Collective.
-template <class T>
-void broadcast(RowMatrix<T>& m, int root, MPI_Comm comm) {
-  in_int_pieces(m.size(), [&](Index offset, int count) {
-    check(MPI_Bcast(m.data() + offset, count, scalar_type<T>(), root, comm), "MPI_Bcast");
-  });
-}
-
-/// `sum` on rank `root` = the element-wise sum of every rank's `part` (same shapes on
-/// every rank; `sum` significant on the root only). Collective.
-template <class T>
-void sum_to_root(const RowMatrix<T>& part, RowMatrix<T>& sum, int root, MPI_Comm comm) {
-  in_int_pieces(part.size(), [&](Index offset, int count) {
-    check(MPI_Reduce(part.data() + offset, sum.data() + offset, count, scalar_type<T>(), MPI_SUM,
-                     root, comm),
-          "MPI_Reduce");
-  });
-}
 
 }  // namespace detail
 }  // namespace kvattn::mpi
