@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string>
@@ -33,6 +34,7 @@
 #include "kvattn/cache/paged_lrkv_cache.hpp"
 #include "kvattn/config/lrkv_config.hpp"
 #include "kvattn/core/errors.hpp"
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
 #include "kvattn/core/threads.hpp"
@@ -40,6 +42,7 @@
 #include "kvattn/detail/batch_attention.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/quantized_kernels.hpp"
 #include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
@@ -168,6 +171,10 @@ class LrkvLayer {
     const Index dr = config_.decoupled_dim();
     RowMatrix<T> key, value, rms, query, query_latent(n, hr), query_rope;
     project_rows(x, past, key, value, rms, thread_count);
+    if constexpr (detail::is_quantized_storage<S>) {  // before any work: nothing to undo
+      detail::require_finite(where, "keys", key);
+      detail::require_finite(where, "values", value);
+    }
     query.resize(n, weights_.w_q.cols());
     detail::parallel_product(x, weights_.w_q, query, thread_count);
     query_rope.noalias() = x * weights_.w_qr;
@@ -178,23 +185,29 @@ class LrkvLayer {
     }
     // The new rows as the cache will store them (keys and values in S, RMS in norm_type).
     using norm_type = typename LrkvCache<T, S>::norm_type;
-    const RowMatrix<S> fresh_keys = key.template cast<S>();
-    const RowMatrix<S> fresh_values = value.template cast<S>();
+    const Staged<S> fresh(config_, key, value);
     const RowMatrix<norm_type> fresh_rms = rms.template cast<norm_type>();
-    PrefillSource<S> source{{nullptr, key_width(), fresh_keys.data(), key_width(), past},
-                            {nullptr, dh + hr, fresh_values.data(), dh + hr, past},
-                            {nullptr, H, fresh_rms.data(), H, past}};
-    if constexpr (requires { cache.page_tokens(); }) {  // blocks: RMS, keys, values
-      source.rms.paged = source.keys.paged = source.values.paged = &cache.rows_;
+    const Index key_stride = cache.key_row_stride(), value_stride = cache.value_row_stride();
+    PrefillSource<S> source{{nullptr, key_stride, fresh.keys_data, key_stride, past},
+                            {nullptr, value_stride, fresh.values_data, value_stride, past},
+                            {nullptr, H, fresh_rms.data(), H, past},
+                            {nullptr, dr, fresh.rope.data(), dr, past}};
+    if constexpr (requires { cache.page_tokens(); }) {  // blocks: RMS, keys, values (, rope)
+      source.rms.paged = source.keys.paged = source.values.paged = source.rope.paged = &cache.rows_;
       source.rms.block = 0;
       source.keys.block = 1;
       source.values.block = 2;
+      source.rope.block = 3;
     } else {
       source.keys.cached = cache.key_row(0);
       source.values.cached = cache.value_row(0);
       source.rms.cached = cache.rms_row(0);
+      if constexpr (detail::is_quantized_storage<S>) source.rope.cached = cache.rope_row(0);
     }
-    const Index buffer_width = std::is_same_v<S, T> ? 0 : std::max(key_width(), dh + hr);
+    // Quantized: one head's parts [k_s | r_h | k_R] dequantized per key tile.
+    const Index buffer_width = detail::is_quantized_storage<S> ? dh + r + dr
+                               : std::is_same_v<S, T>          ? 0
+                                                               : std::max(key_width(), dh + hr);
     const detail::CausalShape shape{past,  past, dh + r, buffer_width, detail::cache_segment(cache),
                                     span()};
     struct PerThread {
@@ -249,8 +262,6 @@ class LrkvLayer {
     const int thread_count = threads.resolved();
     auto plan = prepare(ws, cache.sequence_length() + 1, thread_count);
     plan.segment = detail::cache_segment(cache);
-    cache.grow_for(cache.sequence_length() + 1);
-    // Everything that may throw is done; from here the step cannot fail.
     const Index dh = config_.head_dim;
     const Index hr = config_.n_heads * config_.rank;
     const Index dr = config_.decoupled_dim();
@@ -264,6 +275,12 @@ class LrkvLayer {
     const double position =
         static_cast<double>(config_.rope.position_offset + cache.sequence_length());
     finish_key(position, ws.key.data(), ws.rms.data(), ws.scratch.data());
+    if constexpr (detail::is_quantized_storage<typename Cache::storage_type>) {
+      detail::require_finite(where, "the new token's key", ws.key);
+      detail::require_finite(where, "the new token's value", ws.value);
+    }
+    cache.grow_for(cache.sequence_length() + 1);
+    // Everything that may throw is done; from here the step cannot fail.
     cache.append_token(ws.key.head(dh), ws.key.segment(dh, hr), ws.key.tail(dr), ws.value.head(dh),
                        ws.value.tail(hr), ws.rms);
     attend_prepared(cache, ws, plan, ws.heads.data(), thread_count, cache.sequence_length() - 1);
@@ -364,6 +381,10 @@ class LrkvLayer {
     const Index dr = config_.decoupled_dim();
     RowMatrix<T> key, value, rms;
     project_rows(x, cache.sequence_length(), key, value, rms, threads.resolved());
+    if constexpr (detail::is_quantized_storage<typename Cache::storage_type>) {
+      detail::require_finite(where, "keys", key);
+      detail::require_finite(where, "values", value);
+    }
     cache.append_unchecked({key.leftCols(dh), value.leftCols(dh), key.middleCols(dh, hr),
                             value.rightCols(hr), key.rightCols(dr), rms});
   }
@@ -419,8 +440,6 @@ class LrkvLayer {
                              : detail::checked_shared_prefix(where, caches, options.shared_prefix);
     if (batch == 0) return;
     prepare_batch(ws, caches, prefix, thread_count);
-    grow_batch(caches);
-    // Everything that may throw is done; from here the step cannot fail.
     const Index H = config_.n_heads;
     const Index dh = config_.head_dim;
     const Index r = config_.rank;
@@ -437,14 +456,23 @@ class LrkvLayer {
       Cache& cache = *caches[static_cast<std::size_t>(s)];
       const double position =
           static_cast<double>(config_.rope.position_offset + cache.sequence_length());
-      auto key = ws.batch_key.row(s);
-      auto value = ws.batch_value.row(s);
-      auto rms = ws.batch_rms.row(s);
-      finish_key(position, key.data(), rms.data(), ws.scratch.data());
-      cache.append_token(key.head(dh), key.segment(dh, hr), key.tail(dr), value.head(dh),
-                         value.tail(hr), rms);
+      finish_key(position, ws.batch_key.row(s).data(), ws.batch_rms.row(s).data(),
+                 ws.scratch.data());
       finish_query(position, ws.batch_query.row(s).data(), ws.batch_query_latent.row(s).data(),
                    ws.batch_query_rope.row(s).data());
+    }
+    if constexpr (detail::is_quantized_storage<S>) {
+      detail::require_finite(where, "the new tokens' keys", ws.batch_key);
+      detail::require_finite(where, "the new tokens' values", ws.batch_value);
+    }
+    grow_batch(caches);
+    // Everything that may throw is done; from here the step cannot fail.
+    for (Index s = 0; s < batch; ++s) {
+      auto key = ws.batch_key.row(s);
+      auto value = ws.batch_value.row(s);
+      caches[static_cast<std::size_t>(s)]->append_token(key.head(dh), key.segment(dh, hr),
+                                                        key.tail(dr), value.head(dh),
+                                                        value.tail(hr), ws.batch_rms.row(s));
     }
     // Sources 0 ... B-1: the sequences; source B: the shared prefix, every sequence's
     // heads in turn on each tile (read through the first cache).
@@ -705,16 +733,18 @@ class LrkvLayer {
       return {detail::Prefetcher(p, first), detail::Prefetcher(p + first, bytes - first)};
     }
 
-    void score(Index group, Index first, Index n, T* logits, Index ld, T* /*spare*/) const {
+    // `spare`: (sequences * H + 1) x ld scalars; a quantized cache's kernels use H + 1 rows.
+    void score(Index group, Index first, Index n, T* logits, Index ld, T* spare) const {
       for (Index b = 0; b < sequences; ++b) {
-        sequence_ops(b).score_one(group, first, n, logits + b * heads * ld, ld, b == 0);
+        sequence_ops(b).score_one(group, first, n, logits + b * heads * ld, ld, b == 0, spare);
       }
     }
     void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc,
-                    T* /*spare*/) const {
+                    T* spare) const {
       for (Index b = 0; b < sequences; ++b) {
         sequence_ops(b).accumulate_one(group, first, n, weights + b * heads * ld, ld,
-                                       acc + b * heads * (head_dim + rank), b + 1 == sequences);
+                                       acc + b * heads * (head_dim + rank), b + 1 == sequences,
+                                       spare);
       }
     }
 
@@ -729,7 +759,16 @@ class LrkvLayer {
 
     // One block of H query rows; `prefetch`: whether this pass prefetches (the first
     // score of a tile, the last accumulate: the others find the tile in cache).
-    void score_one(Index, Index first, Index n, T* logits, Index ld, bool prefetch) const {
+    void score_one(Index, Index first, Index n, T* logits, Index ld, bool prefetch,
+                   T* spare) const {
+      if constexpr (detail::is_quantized_storage<S>) {
+        score_quantized(first, n, logits, ld, prefetch, spare);
+      } else {
+        score_plain(first, n, logits, ld, prefetch);
+      }
+    }
+
+    void score_plain(Index first, Index n, T* logits, Index ld, bool prefetch) const {
       const S* rows = cache.key_row(first);
       detail::Prefetcher values(prefetch ? cache.value_row(first) : nullptr,
                                 n * value_width * Index{sizeof(S)});
@@ -753,7 +792,16 @@ class LrkvLayer {
     }
 
     void accumulate_one(Index, Index first, Index n, const T* weights, Index ld, T* acc,
-                        bool prefetch) const {
+                        bool prefetch, T* spare) const {
+      if constexpr (detail::is_quantized_storage<S>) {
+        accumulate_quantized(first, n, weights, ld, acc, prefetch, spare);
+      } else {
+        accumulate_plain(first, n, weights, ld, acc, prefetch);
+      }
+    }
+
+    void accumulate_plain(Index first, Index n, const T* weights, Index ld, T* acc,
+                          bool prefetch) const {
       const S* rows = cache.value_row(first);
       const Index acc_stride = head_dim + rank;
       // The next tile's key rows, up to the end of their page (of a paged cache).
@@ -770,14 +818,143 @@ class LrkvLayer {
       }
     }
     static constexpr Index kTokenBlock = 16;
+
+    // A quantized cache (cache/lrkv_cache.hpp): the kernels run on each part's codes and
+    // fold its block scales in per token (detail/quantized_kernels.hpp). The shared part
+    // is one row for all heads (score_quantized / accumulate_quantized); the residual
+    // parts, head h's at residual_offset(h) = shared + h * seg, are read segmented (query
+    // row h at h * seg) one scale block at a time, with head h's scale of token t folded
+    // into its partial logit or its weight. k~_R is read from its bf16 rows.
+    using Element = detail::storage_element_t<S>;
+    using Layout = detail::LrkvRowLayout<S>;
+
+    void score_quantized(Index first, Index n, T* logits, Index ld, bool prefetch, T* spare) const {
+      using Traits = detail::StorageTraits<S>;
+      const LrkvConfig& c = cache.config();
+      const Element* rows = cache.key_row(first);
+      const Index stride = cache.key_row_stride();
+      const Index shared = Layout::shared(c), seg = Layout::residual(c);
+      detail::Prefetcher values(prefetch ? cache.value_row(first) : nullptr,
+                                n * cache.value_row_stride() * Index{sizeof(Element)});
+      // q_h . k~_s,t for every head against the shared part ...
+      detail::score_quantized<T, S>(query, head_dim, heads, rows, stride, head_dim, n, logits, ld,
+                                    spare, &values);
+      // ... + q~_h . r~_h,t, block by block of r, into spare (H rows), scaled per token ...
+      for (Index b = 0; b * Traits::block < rank; ++b) {
+        const Index c0 = b * Traits::block, w = std::min(Traits::block, rank - c0);
+        detail::score_rows(query_latent + c0, rank, heads, w, rows + shared + c0, stride, seg, n,
+                           spare, ld, false);
+        for (Index h = 0; h < heads; ++h) {
+          const Element* part = rows + shared + h * seg;
+          T* out = logits + h * ld;
+          const T* partial = spare + h * ld;
+          for (Index t = 0; t < n; ++t) {
+            out[t] += partial[t] * static_cast<T>(Traits::scale(part + t * stride, rank, b));
+          }
+        }
+      }
+      // ... / rho_h,t ...
+      if (key_norm) {
+        for (Index t = 0; t < n; ++t) {
+          const auto* rho = cache.rms_row(first + t);
+          for (Index h = 0; h < heads; ++h) logits[h * ld + t] /= static_cast<T>(load_rms(rho, h));
+        }
+      }
+      // ... + q^R_h . k~_R,t (decoupled, bf16).
+      if (rope_dim > 0) {
+        detail::score_rows(query_rope, rope_dim, heads, rope_dim, cache.rope_row(first), rope_dim,
+                           0, n, logits, ld, true);
+      }
+    }
+
+    void accumulate_quantized(Index first, Index n, const T* weights, Index ld, T* acc,
+                              bool prefetch, T* spare) const {
+      using Traits = detail::StorageTraits<S>;
+      const LrkvConfig& c = cache.config();
+      const Element* rows = cache.value_row(first);
+      const Index stride = cache.value_row_stride();
+      const Index shared = Layout::shared(c), seg = Layout::residual(c);
+      const Index acc_stride = head_dim + rank;
+      const Index ahead = prefetch ? std::min(n, detail::contiguous_rows(cache, first + n)) : 0;
+      auto [keys_a, keys_b] =
+          halves(ahead > 0 ? cache.key_row(first + n) : nullptr,
+                 ahead * cache.key_row_stride() * Index{sizeof(Element)}, rank > 0 ? 0.6 : 1.0);
+      // a_h V_s: the shared part, every head's weights ...
+      detail::accumulate_quantized<T, S>(weights, ld, heads, rows, stride, head_dim, n, acc,
+                                         acc_stride, kTokenBlock, &keys_a, spare);
+      // ... and a_h R_h^V, head h's weights scaled by its part's block scale of each token.
+      for (Index b = 0; b * Traits::block < rank; ++b) {
+        const Index c0 = b * Traits::block, w = std::min(Traits::block, rank - c0);
+        for (Index h = 0; h < heads; ++h) {
+          const Element* part = rows + shared + h * seg;
+          const T* weight = weights + h * ld;
+          T* scaled = spare + h * ld;
+          for (Index t = 0; t < n; ++t) {
+            scaled[t] = weight[t] * static_cast<T>(Traits::scale(part + t * stride, rank, b));
+          }
+        }
+        detail::accumulate_rows(spare, ld, heads, rows + shared + c0, stride, seg, w, n,
+                                acc + head_dim + c0, acc_stride, kTokenBlock,
+                                b == 0 ? &keys_b : nullptr);
+      }
+    }
   };
 
-  // Where a prefill reads key rows, value rows and key RMS rows: the cache, then the
-  // new rows (not appended yet).
+  // Head h's key RMS from a stored RMS row (memcpy: a quantized paged cache's pages need
+  // not start on a multiple of 4 bytes).
+  template <class N>
+  static N load_rms(const N* row, Index h) {
+    N rho;
+    std::memcpy(&rho, reinterpret_cast<const unsigned char*>(row) + h * Index{sizeof(N)},
+                sizeof rho);
+    return rho;
+  }
+
+  // A prefill's new rows as the cache will store them: the projections themselves when S
+  // is T, rounded copies for a scalar S, or for a quantized S the rows quantized part by
+  // part (cache/lrkv_cache.hpp) and k~_R in bf16.
+  template <class S>
+  struct Staged {
+    using Element = detail::storage_element_t<S>;
+    using Rope = typename LrkvCache<T, S>::rope_type;
+    RowMatrix<Element> keys, values;  // empty when S is T
+    RowMatrix<Rope> rope;             // quantized only: n x d_R
+    const Element* keys_data;
+    const Element* values_data;
+    Staged(const LrkvConfig& c, const RowMatrix<T>& key, const RowMatrix<T>& value) {
+      if constexpr (std::is_same_v<S, T>) {
+        keys_data = key.data();
+        values_data = value.data();
+      } else if constexpr (detail::is_quantized_storage<S>) {
+        using Layout = detail::LrkvRowLayout<S>;
+        const Index dh = c.head_dim, hr = c.residual_width(), dr = c.decoupled_dim();
+        keys.resize(key.rows(), Layout::key_row(c));
+        values.resize(key.rows(), Layout::value_row(c));
+        rope.resize(key.rows(), dr);
+        for (Index i = 0; i < key.rows(); ++i) {
+          detail::write_quantized_lrkv_token<S>(c, keys.row(i).data(), values.row(i).data(),
+                                                rope.row(i).data(), key.row(i).head(dh),
+                                                key.row(i).segment(dh, hr), key.row(i).tail(dr),
+                                                value.row(i).head(dh), value.row(i).tail(hr));
+        }
+        keys_data = keys.data();
+        values_data = values.data();
+      } else {
+        keys = key.template cast<S>();
+        values = value.template cast<S>();
+        keys_data = keys.data();
+        values_data = values.data();
+      }
+    }
+  };
+
+  // Where a prefill reads key rows, value rows and key RMS rows (and a quantized cache's
+  // bf16 rotary keys): the cache, then the new rows (not appended yet).
   template <class S>
   struct PrefillSource {
     detail::RowSource<S> keys, values;
     detail::RowSource<typename LrkvCache<T, S>::norm_type> rms;
+    detail::RowSource<typename LrkvCache<T, S>::rope_type> rope;  // quantized S only
   };
 
   // One head's query tile against key tiles, factored (causal_attention.hpp's ops):
@@ -793,6 +970,10 @@ class LrkvLayer {
     bool key_norm;
 
     void score(Index q0, Index nq, Index k0, Index nk, T* scores, Index stride, T* buffer) const {
+      if constexpr (detail::is_quantized_storage<S>) {
+        score_quantized(q0, nq, k0, nk, scores, stride, buffer);
+        return;
+      }
       const Index dh = head_dim;
       const Index hr = query_latent.cols();
       const auto keys = detail::rows_as<T>(source.keys, k0, nk, 0, dh + hr + rope_dim, buffer);
@@ -814,12 +995,62 @@ class LrkvLayer {
     void accumulate(Index, Index nq, Index k0, Index nk, const T* weights, Index stride, T* acc,
                     Index acc_stride, T* buffer) const {
       const Index dh = head_dim;
-      const auto values =
-          detail::rows_as<T>(source.values, k0, nk, 0, dh + query_latent.cols(), buffer);
       const detail::ConstRowsMap<T> w(weights, nq, nk, Eigen::OuterStride<>(stride));
       detail::RowsMap<T> a(acc, nq, dh + rank, Eigen::OuterStride<>(acc_stride));
+      if constexpr (detail::is_quantized_storage<S>) {
+        // [v_s | r^V_h] of the tile, dequantized (this head's parts only).
+        const Index width = dh + rank;
+        for (Index c = 0; c < nk; ++c) dequantize_parts(source.values, k0 + c, buffer + c * width);
+        const detail::ConstRowsMap<T> values(buffer, nk, width, Eigen::OuterStride<>(width));
+        a.leftCols(dh).noalias() += w * values.leftCols(dh);
+        if (rank > 0) a.rightCols(rank).noalias() += w * values.rightCols(rank);
+        return;
+      }
+      const auto values =
+          detail::rows_as<T>(source.values, k0, nk, 0, dh + query_latent.cols(), buffer);
       a.leftCols(dh).noalias() += w * values.leftCols(dh);
       if (rank > 0) a.rightCols(rank).noalias() += w * values.middleCols(dh + h * rank, rank);
+    }
+
+    // Token t's shared part and head h's residual part of a quantized key or value row,
+    // dequantized into out[0, d_h + r).
+    void dequantize_parts(const detail::RowSource<S>& rows, Index t, T* out) const {
+      using Traits = detail::StorageTraits<S>;
+      const auto* row = rows.row(t);
+      Traits::dequantize(row, head_dim, 0, head_dim, out);
+      if (rank > 0) {
+        Traits::dequantize(row + Traits::row_elements(head_dim) + h * Traits::row_elements(rank),
+                           rank, 0, rank, out + head_dim);
+      }
+    }
+
+    // score over a quantized cache: the tile's [k~_s | r~_h | k~_R] in buffer, then as above.
+    void score_quantized(Index q0, Index nq, Index k0, Index nk, T* scores, Index stride,
+                         T* buffer) const {
+      const Index dh = head_dim;
+      const Index width = dh + rank + rope_dim;
+      for (Index c = 0; c < nk; ++c) {
+        T* out = buffer + c * width;
+        dequantize_parts(source.keys, k0 + c, out);
+        const auto* rope = source.rope.row(k0 + c);
+        for (Index j = 0; j < rope_dim; ++j) out[dh + rank + j] = static_cast<T>(rope[j]);
+      }
+      const detail::ConstRowsMap<T> keys(buffer, nk, width, Eigen::OuterStride<>(width));
+      detail::RowsMap<T> s(scores, nq, nk, Eigen::OuterStride<>(stride));
+      s.noalias() = query.block(q0, h * dh, nq, dh) * keys.leftCols(dh).transpose();
+      if (rank > 0) {
+        s.noalias() +=
+            query_latent.block(q0, h * rank, nq, rank) * keys.middleCols(dh, rank).transpose();
+      }
+      if (key_norm) {
+        for (Index c = 0; c < nk; ++c) {
+          s.col(c) /= static_cast<T>(load_rms(source.rms.row(k0 + c), h));
+        }
+      }
+      if (rope_dim > 0) {
+        s.noalias() +=
+            query_rope.block(q0, h * rope_dim, nq, rope_dim) * keys.rightCols(rope_dim).transpose();
+      }
     }
   };
 

@@ -151,7 +151,12 @@ inline constexpr bool is_quantized_storage = StorageTraits<S>::quantized;
 template <class S>
 std::string storage_name() {
   std::string name(kvattn::to_string(kvattn::dtype_of<S>()));
-  if constexpr (is_quantized_storage<S>) name += "/" + std::to_string(StorageTraits<S>::block);
+  if constexpr (is_quantized_storage<S>) {
+    // Two appends, not "/" + to_string(...): GCC 12 warns (-Wrestrict, a false positive)
+    // on the temporary's concatenation once inlined.
+    name += '/';
+    name += std::to_string(StorageTraits<S>::block);
+  }
   return name;
 }
 
