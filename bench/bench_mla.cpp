@@ -205,6 +205,10 @@ void register_mla() {
   }
   add_decode<MlaMech, Eigen::bfloat16>("decode_bf16", lite, {16384, 65536}, threads);
   add_decode<MlaMech, Eigen::bfloat16>("decode_bf16", v2, {16384, 65536}, threads);
+  for (const MlaMech& m : {lite, v2}) {  // after decode_bf16/: vs_bf16 reads its times
+    add_decode<MlaMech, kvattn::Int8<128>>("decode_int8", m, {65536}, threads);
+    add_decode<MlaMech, kvattn::Fp8E4M3<128>>("decode_fp8", m, {65536}, threads);
+  }
   add(
       "decode_precached/mla", [lite](benchmark::State& state) { run_precached(state, lite); },
       kDecodeLengths, threads);

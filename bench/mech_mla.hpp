@@ -62,10 +62,18 @@ struct MlaMech {
       cache.append(pool.latent.topRows(n), pool.rope_keys.topRows(n));
     }
   }
-  /// The latent rows [c_kv | k_R]: d_c + d_R elements per token.
+  /// The latent rows [c_kv | k_R]: d_c + d_R elements per token (a quantized cache: the
+  /// latents' codes and scales, and the bf16 rope keys beside them).
   template <class S>
   void add_cache(ReadSet& set, const Cache<S>& cache) const {
-    set.add_dense(cache.rows());
+    if constexpr (Cache<S>::quantized) {
+      const auto tokens = static_cast<std::size_t>(cache.tokens());
+      set.add(cache.latent_row(0), tokens * static_cast<std::size_t>(cache.latent_stride()));
+      set.add(cache.rope_row(0), tokens * static_cast<std::size_t>(cache.rope_stride()) *
+                                     sizeof(typename Cache<S>::rope_storage));
+    } else {
+      set.add_dense(cache.rows());
+    }
   }
   /// The absorbed step reads W_UK (q~_h = q_h^nope W_UK_h^T) and W_UV (o_h = o-bar_h W_UV_h).
   void add_attend_weights(ReadSet& set, const Layer& layer) const {

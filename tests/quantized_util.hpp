@@ -2,10 +2,13 @@
 // byte layout of docs/api.md (§ Quantized storage), independently of core/quantized.hpp.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "kvattn/core/dtype.hpp"
 #include "kvattn/core/index.hpp"
 
 namespace kvattn::test {
@@ -24,6 +27,33 @@ inline float stored_scale(const void* row, Index w, Index b) {
   float s;
   std::memcpy(&s, static_cast<const unsigned char*>(row) + w + 4 * b, sizeof s);
   return s;
+}
+
+/// A stored row of w values of format S (kvattn::Int8<B> or Fp8E4M3<B>) decoded from its
+/// bytes: w one-byte codes, then ceil(w / B) fp32 scales; element j is code_j x scale_(j/B).
+template <class S>
+std::vector<double> decode_row(const void* row, Index w) {
+  const auto* bytes = static_cast<const unsigned char*>(row);
+  std::vector<double> out(static_cast<std::size_t>(w));
+  for (Index j = 0; j < w; ++j) {
+    const double scale = stored_scale(row, w, j / S::block);
+    const double code = S::code == Dtype::int8
+                            ? static_cast<double>(static_cast<std::int8_t>(bytes[j]))
+                            : e4m3_value(bytes[j]);
+    out[static_cast<std::size_t>(j)] = code * scale;
+  }
+  return out;
+}
+
+/// The format's bound on |x - stored| for an element x of a block with largest magnitude
+/// amax (core/quantized.hpp), with the slack of the fp32 scale's rounding.
+template <class S>
+double element_bound(double x, double amax) {
+  const double scale = amax / (S::code == Dtype::int8 ? 127.0 : 448.0);
+  const double bound = S::code == Dtype::int8
+                           ? scale / 2
+                           : std::max(std::ldexp(std::fabs(x), -4), std::ldexp(scale, -10));
+  return bound * (1 + 1e-6) + std::ldexp(std::fabs(x), -22);
 }
 
 }  // namespace kvattn::test

@@ -52,8 +52,21 @@ CacheState state_of(const GqaCache<T, S>& cache) {
 }
 template <class T, class S>
 CacheState state_of(const MlaCache<T, S>& cache) {
+  using Cache = MlaCache<T, S>;
   CacheState s{cache.tokens(), cache.capacity(), cache.bytes(), cache.capacity_bytes(), {}};
-  append_bytes(s.rows, cache.rows());
+  const auto tokens = static_cast<std::size_t>(cache.tokens());
+  auto add = [&](const void* rows, std::size_t bytes) {
+    const auto* p = static_cast<const unsigned char*>(rows);
+    s.rows.insert(s.rows.end(), p, p + bytes);
+  };
+  // Scalar storage: the whole rows [c | k_R]; quantized: the latents' codes and scales,
+  // then the bf16 rope keys.
+  add(cache.latent_row(0), tokens * static_cast<std::size_t>(cache.latent_stride()) *
+                               sizeof(typename Cache::element_type));
+  if constexpr (Cache::quantized) {
+    add(cache.rope_row(0), tokens * static_cast<std::size_t>(cache.config().rope_dim) *
+                               sizeof(typename Cache::rope_storage));
+  }
   return s;
 }
 template <class T, class S>

@@ -165,8 +165,9 @@ void check_every_storage_and_thread_count(const Layer& layer, Index length) {
   }
 }
 
-// The GQA family also takes block-quantized caches (one block per row, and several).
-void check_quantized_storage(const GqaLayer<float>& layer, Index length) {
+// The GQA family and MLA also take block-quantized caches (one block per row, and several).
+template <class Layer>
+void check_quantized_storage(const Layer& layer, Index length) {
   for (const Threads threads : {Threads{1}, Threads{2}}) {
     check_no_allocation<Int8<128>>(layer, threads, length);
     check_no_allocation<Fp8E4M3<16>>(layer, threads, length);
@@ -217,6 +218,7 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
     const MlaConfig& c = layer.config();
     CHECK(detail::plan_split(1, c.n_heads, c.kv_rank, 1000, layer.decode_tile(), 0, 2).splits == 2);
     check_every_storage_and_thread_count(layer, 1000);
+    check_quantized_storage(layer, 1000);
   }
   SECTION("LRKV") {
     LrkvConfig c{64, 4, 32, 8, LrkvRopeMode::shared, rope};

@@ -973,4 +973,22 @@ TEST_CASE("kvcalc --dtype int8|fp8 --scale-block: the bytes of real quantized ca
     CHECK(cache.tokens() == 4096);
     CHECK(row(j, "GQA").at("total_bytes").get<std::size_t>() == 32 * cache.bytes());
   }
+  SECTION("DeepSeek-V2, MLA: fp8 latents with blocks of 128 (bf16 rope keys), and int8/64") {
+    const kvattn::MlaConfig v2 = kvattn::deepseek_v2_config();
+    std::mt19937_64 rng(7);
+    const auto latent = kvattn::random_normal<float>(1000, v2.kv_rank, rng);
+    const auto rope = kvattn::random_normal<float>(1000, v2.rope_dim, rng);
+    const json f = run_json({"--preset", "deepseek-v2", "--seq-len", "1000", "--dtype", "fp8",
+                             "--scale-block", "128", "--mechanism", "MLA"});
+    kvattn::MlaCache<float, kvattn::Fp8E4M3<128>> fp8(v2);
+    fp8.append(latent, rope);
+    CHECK(row(f, "MLA").at("total_bytes").get<std::size_t>() == 60 * fp8.bytes());
+    CHECK(row(f, "MLA").at("total_bytes") == 1000LL * 656 * 60);  // 512 + 4 * 4 + 64 * 2
+    const json i = run_json({"--preset", "deepseek-v2", "--seq-len", "1000", "--dtype", "int8",
+                             "--scale-block", "64", "--mechanism", "MLA"});
+    kvattn::MlaCache<float, kvattn::Int8<64>> int8(v2);
+    int8.append(latent, rope);
+    CHECK(row(i, "MLA").at("total_bytes").get<std::size_t>() == 60 * int8.bytes());
+    CHECK(row(i, "MLA").at("total_bytes") == 1000LL * (512 + 8 * 4 + 64 * 2) * 60);
+  }
 }

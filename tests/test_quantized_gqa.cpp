@@ -30,6 +30,8 @@
 #include "test_util.hpp"
 
 using namespace kvattn;
+using kvattn::test::decode_row;
+using kvattn::test::element_bound;
 using kvattn::test::project_query;
 using kvattn::test::random_input;
 using kvattn::test::relative_error;
@@ -52,32 +54,6 @@ const RopeConfig kRope{RopeLayout::half_split, 10000.0, 0};
 std::vector<GqaConfig> configs() {
   return {mha_config(64, 4, 32, kRope), gqa_config(96, 8, 48, 2, kRope),
           mqa_config(64, 8, 128, kRope)};
-}
-
-// A stored row decoded from its bytes: d_h one-byte codes, then ceil(d_h / B) fp32 scales.
-template <class S>
-std::vector<double> decode_row(const void* row, Index dh) {
-  const auto* bytes = static_cast<const unsigned char*>(row);
-  std::vector<double> out(static_cast<std::size_t>(dh));
-  for (Index j = 0; j < dh; ++j) {
-    const double scale = kvattn::test::stored_scale(row, dh, j / S::block);
-    const double code = S::code == Dtype::int8
-                            ? static_cast<double>(static_cast<std::int8_t>(bytes[j]))
-                            : kvattn::test::e4m3_value(bytes[j]);
-    out[static_cast<std::size_t>(j)] = code * scale;
-  }
-  return out;
-}
-
-// The format's bound on |x - stored| for an element x of a block with largest magnitude
-// amax (core/quantized.hpp), with the slack of the fp32 scale's rounding.
-template <class S>
-double element_bound(double x, double amax) {
-  const double scale = amax / (S::code == Dtype::int8 ? 127.0 : 448.0);
-  const double bound = S::code == Dtype::int8
-                           ? scale / 2
-                           : std::max(std::ldexp(std::fabs(x), -4), std::ldexp(scale, -10));
-  return bound * (1 + 1e-6) + std::ldexp(std::fabs(x), -22);
 }
 
 // Every stored key and value row of a cache, decoded by this test, as two

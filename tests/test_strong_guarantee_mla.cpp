@@ -48,6 +48,8 @@ TEST_CASE("MLA calls keep the strong guarantee under allocation failure",
     for (const Threads threads : {Threads{1}, Threads{2}}) {
       test::check_layer<float>("MLA", layer, threads, rows_of, prefill);
       test::check_layer<Eigen::bfloat16>("MLA", layer, threads, rows_of, prefill);
+      test::check_layer<Int8<>>("MLA", layer, threads, rows_of, prefill);
+      test::check_layer<Fp8E4M3<4>>("MLA", layer, threads, rows_of, prefill);  // 3 blocks
     }
   }
 }

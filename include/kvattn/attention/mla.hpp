@@ -53,6 +53,7 @@
 #include "kvattn/detail/batch_attention.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/quantized_kernels.hpp"
 #include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
 
@@ -249,16 +250,38 @@ class MlaLayer {
     const Index length = x.rows();
     RowMatrix<T> query, latent, rope_keys;
     project(x, past, query, latent, rope_keys, thread_count);
+    if constexpr (detail::is_quantized_storage<S>) {  // before any work: nothing to undo
+      detail::require_finite(where, "latent", latent);
+      detail::require_finite(where, "rope_keys", rope_keys);
+    }
     RowMatrix<T> heads(length, heads_width());
-    if (length > 0) {
-      // The new rows as the cache will store them: [c_kv | k_R] rounded to S.
-      RowMatrix<S> fresh(length, config_.cache_elements_per_token());
-      fresh.leftCols(config_.kv_rank) = latent.template cast<S>();
-      fresh.rightCols(config_.rope_dim) = rope_keys.template cast<S>();
-      if (prefill_mode(mode, past, length) == MlaPrefill::absorbed) {
-        attend_absorbed_prefill<Cache, S>(query, cache, fresh, heads, thread_count);
+    const bool absorbed = prefill_mode(mode, past, length) == MlaPrefill::absorbed;
+    // The cached rows are read where they are, except a quantized cache's (dequantized
+    // into one T matrix with the new rows, below).
+    constexpr bool in_place = !detail::is_quantized_storage<S>;
+    if (absorbed && in_place) {
+      if constexpr (in_place) {
+        // The new rows as the cache will store them: [c_kv | k_R] rounded to S.
+        RowMatrix<S> fresh(length, config_.cache_elements_per_token());
+        fresh.leftCols(config_.kv_rank) = latent.template cast<S>();
+        fresh.rightCols(config_.rope_dim) = rope_keys.template cast<S>();
+        detail::RowSource<S> rows{nullptr, fresh.cols(), fresh.data(), fresh.cols(), past};
+        if constexpr (requires { cache.page_tokens(); }) {
+          rows.paged = &cache.rows_;
+        } else {
+          rows.cached = cache.row_data(0);
+        }
+        attend_absorbed_prefill(query, rows, detail::cache_segment(cache), heads, thread_count);
+      }
+    } else {
+      // Every row as stored (dequantized for a quantized S), then the new ones.
+      const RowMatrix<T> rows = stored_rows(cache, latent, rope_keys);
+      if (absorbed) {
+        const detail::RowSource<T> source{rows.data(), rows.cols(),
+                                          rows.data() + past * rows.cols(), rows.cols(), past};
+        attend_absorbed_prefill(query, source, 0, heads, thread_count);
       } else {
-        attend_expanded_prefill<Cache, S>(query, cache, fresh, heads, thread_count);
+        attend_expanded_prefill(query, rows, heads, thread_count);
       }
     }
     RowMatrix<T> out(length, config_.d_model);
@@ -304,9 +327,13 @@ class MlaLayer {
     const int thread_count = threads.resolved();
     auto plan = prepare(ws, cache.sequence_length() + 1, thread_count);
     plan.segment = detail::cache_segment(cache);
+    project_token(x, cache.sequence_length(), ws);
+    if constexpr (detail::is_quantized_storage<typename Cache::storage_type>) {
+      detail::require_finite(where, "the new token's latent", ws.latent);
+      detail::require_finite(where, "the new token's rope key", ws.rope_key);
+    }
     cache.grow_for(cache.sequence_length() + 1);
     // Everything that may throw is done; from here the step cannot fail.
-    project_token(x, cache.sequence_length(), ws);
     cache.append_token(ws.latent, ws.rope_key);
     attend_prepared(cache, ws, plan, ws.heads.data(), thread_count);
     detail::parallel_product(ws.heads, weights_.w_o, out, thread_count);
@@ -461,8 +488,6 @@ class MlaLayer {
                              : detail::checked_shared_prefix(where, caches, options.shared_prefix);
     if (batch == 0) return;
     prepare_batch(ws, caches, prefix, thread_count);
-    grow_batch(caches);
-    // Everything that may throw is done; from here the step cannot fail.
     const MlaConfig& c = config_;
     const Index H = c.n_heads;
     const Index dc = c.kv_rank;
@@ -483,7 +508,7 @@ class MlaLayer {
     detail::parallel_product(x, weights_.w_dkv, ws.batch_latent, thread_count);
     ws.batch_rope_key.noalias() = x * weights_.w_kr;
     for (Index s = 0; s < batch; ++s) {
-      Cache& cache = *caches[static_cast<std::size_t>(s)];
+      const Cache& cache = *caches[static_cast<std::size_t>(s)];
       if (c.kv_norm) {
         rms_norm_inplace(ws.batch_latent.row(s).data(), dc, weights_.kv_norm_gain.data(),
                          c.norm_epsilon);
@@ -491,7 +516,16 @@ class MlaLayer {
       const double position = static_cast<double>(c.rope.position_offset + cache.sequence_length());
       rope_.rotate(ws.batch_query.row(s).data() + dn, position, H, qd);
       rope_.rotate(ws.batch_rope_key.row(s).data(), position);
-      cache.append_token(ws.batch_latent.row(s), ws.batch_rope_key.row(s));
+    }
+    if constexpr (detail::is_quantized_storage<S>) {
+      detail::require_finite(where, "the new tokens' latents", ws.batch_latent);
+      detail::require_finite(where, "the new tokens' rope keys", ws.batch_rope_key);
+    }
+    grow_batch(caches);
+    // Everything that may throw is done; from here the step cannot fail.
+    for (Index s = 0; s < batch; ++s) {
+      caches[static_cast<std::size_t>(s)]->append_token(ws.batch_latent.row(s),
+                                                        ws.batch_rope_key.row(s));
     }
     // Absorb W_UK per head for all B rows at once: row s*H + h of batch_absorbed.
     detail::parallel_for(H, thread_count, [&](Index h) {
@@ -673,34 +707,60 @@ class MlaLayer {
   template <class Cache>
   struct DecodeOps {
     using S = typename Cache::storage_type;
+    static constexpr bool quantized = detail::is_quantized_storage<S>;
     const Cache& cache;
     const T* absorbed;  // H x (d_c + d_R), scaled
     Index heads;
     Index kv_rank;
     Index width;  // d_c + d_R
 
-    // The half of the next tile's bytes phase `half` (0: score, 1: accumulate) prefetches.
+    // The half of the next tile's bytes phase `half` (0: score, 1: accumulate) prefetches
+    // (a quantized cache: its latent rows, then its rope rows).
     detail::Prefetcher next_tile(Index first, Index n, int half) const {
       // The next tile's rows up to the end of their page (of a paged cache).
       const Index ahead = std::min(n, detail::contiguous_rows(cache, first + n));
       if (ahead <= 0) return {};
-      const Index bytes = ahead * width * Index{sizeof(S)};
-      const Index split = bytes / 2 / 64 * 64;
-      return half == 0 ? detail::Prefetcher(cache.row_data(first + n), split)
-                       : detail::Prefetcher(
-                             reinterpret_cast<const char*>(cache.row_data(first + n)) + split,
-                             bytes - split);
+      if constexpr (quantized) {
+        return half == 0
+                   ? detail::Prefetcher(cache.latent_row(first + n), ahead * cache.latent_stride())
+                   : detail::Prefetcher(
+                         cache.rope_row(first + n),
+                         ahead * cache.rope_stride() * Index{sizeof(typename Cache::rope_storage)});
+      } else {
+        const Index bytes = ahead * width * Index{sizeof(S)};
+        const Index split = bytes / 2 / 64 * 64;
+        return half == 0 ? detail::Prefetcher(cache.latent_row(first + n), split)
+                         : detail::Prefetcher(
+                               reinterpret_cast<const char*>(cache.latent_row(first + n)) + split,
+                               bytes - split);
+      }
     }
-    void score(Index, Index first, Index n, T* logits, Index ld, T* /*spare*/) const {
+    void score(Index, Index first, Index n, T* logits, Index ld, T* spare) const {
       detail::Prefetcher next = next_tile(first, n, 0);
-      detail::score_rows(absorbed, width, heads, width, cache.row_data(first), width, 0, n, logits,
-                         ld, false, &next);
+      if constexpr (quantized) {
+        detail::score_quantized<T, S>(absorbed, width, heads, cache.latent_row(first),
+                                      cache.latent_stride(), kv_rank, n, logits, ld, spare, &next);
+        detail::score_rows(absorbed + kv_rank, width, heads, width - kv_rank, cache.rope_row(first),
+                           cache.rope_stride(), 0, n, logits, ld, true);
+      } else {
+        (void)spare;
+        detail::score_rows(absorbed, width, heads, width, cache.latent_row(first), width, 0, n,
+                           logits, ld, false, &next);
+      }
     }
     void accumulate(Index, Index first, Index n, const T* weights, Index ld, T* acc,
-                    T* /*spare*/) const {
+                    T* spare) const {
       detail::Prefetcher next = next_tile(first, n, 1);
-      detail::accumulate_rows(weights, ld, heads, cache.row_data(first), width, 0, kv_rank, n, acc,
-                              kv_rank, kTokenBlock, &next, detail::paired_rows<T, S>(kv_rank));
+      if constexpr (quantized) {
+        detail::accumulate_quantized<T, S>(weights, ld, heads, cache.latent_row(first),
+                                           cache.latent_stride(), kv_rank, n, acc, kv_rank,
+                                           kTokenBlock, &next, spare);
+      } else {
+        (void)spare;
+        detail::accumulate_rows(weights, ld, heads, cache.latent_row(first), width, 0, kv_rank, n,
+                                acc, kv_rank, kTokenBlock, &next,
+                                detail::paired_rows<T, S>(kv_rank));
+      }
     }
     // Value rows per accumulate block: the whole tile (0), so each register block of
     // accumulators is loaded and stored once per tile (kernel test at the V2-Lite shape:
@@ -796,30 +856,62 @@ class MlaLayer {
     }
   }
 
+  // Every cached row [c_t | k_R,t] as stored, then the new rows as the cache will store
+  // them (rounded to S, or quantized), all widened to T: what a prefill attends to. A
+  // windowed cache's rows it no longer holds are zero (no new query sees them).
+  template <class Cache>
+  RowMatrix<T> stored_rows(const Cache& cache, const RowMatrix<T>& latent,
+                           const RowMatrix<T>& rope_keys) const {
+    using S = typename Cache::storage_type;
+    using Traits = detail::StorageTraits<S>;
+    using Rope = typename Cache::rope_storage;
+    const Index dc = config_.kv_rank;
+    const Index dr = config_.rope_dim;
+    const Index past = cache.sequence_length();
+    RowMatrix<T> rows(past + latent.rows(), dc + dr);
+    for (Index t = 0; t < past; ++t) {
+      if (!detail::cache_holds(cache, t)) {
+        rows.row(t).setZero();
+        continue;
+      }
+      T* out = rows.row(t).data();
+      if constexpr (Traits::quantized) {
+        Traits::dequantize(cache.latent_row(t), dc, 0, dc, out);
+      } else {
+        for (Index j = 0; j < dc; ++j) out[j] = static_cast<T>(cache.latent_row(t)[j]);
+      }
+      for (Index j = 0; j < dr; ++j) out[dc + j] = static_cast<T>(cache.rope_row(t)[j]);
+    }
+    std::vector<typename Traits::element> codes(
+        static_cast<std::size_t>(Traits::quantized ? Traits::row_elements(dc) : 0));
+    for (Index i = 0; i < latent.rows(); ++i) {
+      T* out = rows.row(past + i).data();
+      if constexpr (Traits::quantized) {
+        Traits::encode([&](Index j) { return latent(i, j); }, dc, codes.data());
+        Traits::dequantize(codes.data(), dc, 0, dc, out);
+      } else {
+        for (Index j = 0; j < dc; ++j) out[j] = static_cast<T>(static_cast<S>(latent(i, j)));
+      }
+      for (Index j = 0; j < dr; ++j) {
+        out[dc + j] = static_cast<T>(static_cast<Rope>(rope_keys(i, j)));
+      }
+    }
+    return rows;
+  }
+
   // Expanded prefill ("reconstruct, then attend", seed 002 Chapter 2): per head,
-  // K_h = [C W_UK_h | K_R] and V_h = C W_UV_h for every visible token, then tiled
-  // causal attention. Compute-friendly: big matrix products, width d_nope + d_R.
-  template <class Cache, class S>
-  void attend_expanded_prefill(const RowMatrix<T>& query, const Cache& cache,
-                               const RowMatrix<S>& fresh, RowMatrix<T>& heads, int threads) const {
+  // K_h = [C W_UK_h | K_R] and V_h = C W_UV_h for every visible token (`rows`, the
+  // stored rows then the new ones), then tiled causal attention. Compute-friendly: big
+  // matrix products, width d_nope + d_R.
+  void attend_expanded_prefill(const RowMatrix<T>& query, const RowMatrix<T>& rows,
+                               RowMatrix<T>& heads, int threads) const {
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
     const Index dn = c.qk_nope_dim;
     const Index dr = c.rope_dim;
     const Index qd = c.qk_head_dim();
-    const Index past = cache.sequence_length();
     const Index length = query.rows();
-    RowMatrix<T> rows(past + length, c.cache_elements_per_token());
-    for (Index t = 0; t < past; ++t) {
-      // A windowed cache no longer holds what no new query sees (the kernel skips it).
-      if (!detail::cache_holds(cache, t)) {
-        rows.row(t).setZero();
-        continue;
-      }
-      const S* row = cache.row_data(t);
-      for (Index j = 0; j < rows.cols(); ++j) rows(t, j) = static_cast<T>(row[j]);
-    }
-    rows.bottomRows(length) = fresh.template cast<T>();
+    const Index past = rows.rows() - length;
     const auto latent = rows.leftCols(dc);
     const RowMatrix<T> scaled = query * scale_;
     const detail::CausalShape shape{past, 0, c.v_dim, 0, 0, span()};
@@ -844,28 +936,23 @@ class MlaLayer {
     });
   }
 
-  // Absorbed prefill: per head, queries [q_h^nope W_UK_h^T | q_h^R] against the cached
-  // rows, values the latents, then o_h = o-bar_h W_UV_h. Cheaper when few new tokens
-  // attend to a long cache.
-  template <class Cache, class S>
-  void attend_absorbed_prefill(const RowMatrix<T>& query, const Cache& cache,
-                               const RowMatrix<S>& fresh, RowMatrix<T>& heads, int threads) const {
+  // Absorbed prefill: per head, queries [q_h^nope W_UK_h^T | q_h^R] against the rows of
+  // `rows` (the cached ones before its split, in pages of `segment` tokens when paged,
+  // then the new ones), values the latents, then o_h = o-bar_h W_UV_h. Cheaper when few
+  // new tokens attend to a long cache.
+  template <class S>
+  void attend_absorbed_prefill(const RowMatrix<T>& query, const detail::RowSource<S>& rows,
+                               Index segment, RowMatrix<T>& heads, int threads) const {
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
     const Index dn = c.qk_nope_dim;
     const Index dr = c.rope_dim;
     const Index qd = c.qk_head_dim();
     const Index width = c.cache_elements_per_token();
-    const Index past = cache.sequence_length();
+    const Index past = rows.split;
     const Index length = query.rows();
-    detail::RowSource<S> rows{nullptr, width, fresh.data(), width, past};
-    if constexpr (requires { cache.page_tokens(); }) {
-      rows.paged = &cache.rows_;
-    } else {
-      rows.cached = cache.row_data(0);
-    }
-    const detail::CausalShape shape{
-        past, past, dc, std::is_same_v<S, T> ? 0 : width, detail::cache_segment(cache), span()};
+    const detail::CausalShape shape{past,    past,  dc, std::is_same_v<S, T> ? 0 : width,
+                                    segment, span()};
     struct PerThread {
       RowMatrix<T> absorbed, latent_out;
       detail::CausalScratch<T> scratch;
