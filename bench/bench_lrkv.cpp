@@ -12,6 +12,8 @@ void register_lrkv() {
   add_naive(mech, kDecodeLengths, threads);  // first: decode/ reads its times (vs_naive)
   add_decode("decode", mech, kDecodeLengths, threads);
   add_decode<LrkvMech, Eigen::bfloat16>("decode_bf16", mech, {16384, 65536}, threads);
+  add_decode<LrkvMech, kvattn::Int8<128>>("decode_int8", mech, {65536}, threads);
+  add_decode<LrkvMech, kvattn::Fp8E4M3<128>>("decode_fp8", mech, {65536}, threads);
   add_layer_decode(mech, kDecodeLengths, threads);
   add_expanded(mech, {1024, 4096});
 }

@@ -38,8 +38,8 @@
 //       (make_cache<Eigen::bfloat16>): mha at L 4096, 16384 and 65536, the others at
 //       16384 and 65536.
 //   decode_int8/<mech>/L:65536/T:<T>    the same step on an int8 cache (kvattn::Int8<128>:
-//       int8 codes, one fp32 scale per 128-element row; MLA's rope key in bf16); mha,
-//       gqa, mqa, mla, mla_v2. bytes include the scales. Counters vs_bf16, vs_bf16_goal.
+//       int8 codes, one fp32 scale per 128-element row; MLA's rope key in bf16); all six
+//       mechanisms. bytes include the scales. Counters vs_bf16, vs_bf16_goal.
 //   decode_fp8/<mech>/L:65536/T:<T>     the same on an fp8 e4m3 cache (kvattn::Fp8E4M3<128>;
 //       for mla and mla_v2 DeepSeek's fp8 layout, 656 bytes per token at d_c 512, d_R 64).
 //   layer_decode/<mech>/L:<L>/T:<T>     the whole layer step, layer.decode(x, cache,

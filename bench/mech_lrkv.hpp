@@ -84,8 +84,17 @@ struct LrkvMech {
     const auto hr = static_cast<std::size_t>(config.n_heads * config.rank);
     const auto dh_ = static_cast<std::size_t>(config.head_dim);
     const auto key_width = dh_ + hr + static_cast<std::size_t>(config.decoupled_dim());
-    set.add(cache.key_row(0), tokens * key_width * sizeof(S));
-    set.add(cache.value_row(0), tokens * (dh_ + hr) * sizeof(S));
+    if constexpr (kvattn::detail::is_quantized_storage<S>) {  // codes + scales; bf16 rope apart
+      set.add(cache.key_row(0), tokens * static_cast<std::size_t>(cache.key_row_stride()));
+      set.add(cache.value_row(0), tokens * static_cast<std::size_t>(cache.value_row_stride()));
+      if (config.decoupled_dim() > 0) {
+        set.add(cache.rope_row(0), tokens * static_cast<std::size_t>(config.decoupled_dim()) *
+                                       sizeof(typename Cache<S>::rope_type));
+      }
+    } else {
+      set.add(cache.key_row(0), tokens * key_width * sizeof(S));
+      set.add(cache.value_row(0), tokens * (dh_ + hr) * sizeof(S));
+    }
     set.add(cache.rms_row(0), static_cast<std::size_t>(cache.key_rms().size()) *
                                   sizeof(typename Cache<S>::norm_type));
   }

@@ -991,4 +991,31 @@ TEST_CASE("kvcalc --dtype int8|fp8 --scale-block: the bytes of real quantized ca
     CHECK(row(i, "MLA").at("total_bytes").get<std::size_t>() == 60 * int8.bytes());
     CHECK(row(i, "MLA").at("total_bytes") == 1000LL * (512 + 8 * 4 + 64 * 2) * 60);
   }
+  SECTION("LRKV: int8 with blocks of 8, fp8 with blocks of 16") {
+    kvattn::LrkvConfig c;
+    c.d_model = 64;
+    c.n_heads = 4;
+    c.head_dim = 16;
+    c.rank = 4;
+    const auto layer = kvattn::LrkvLayer<float>::random(c, 3);
+    std::mt19937_64 rng(8);
+    const auto x = kvattn::random_normal<float>(100, c.d_model, rng);
+    const std::vector<std::string> shape = {
+        "--heads",    "4", "--head-dim",  "16", "--d-model", "64",  "--layers",    "1",
+        "--kv-heads", "4", "--lrkv-rank", "4",  "--seq-len", "100", "--mechanism", "LRKV"};
+    auto with = [&](std::vector<std::string> extra) {
+      extra.insert(extra.begin(), shape.begin(), shape.end());
+      return run_json(extra);
+    };
+    auto int8 = layer.make_cache<kvattn::Int8<8>>();
+    layer.prefill(x, int8);
+    const json i = with({"--dtype", "int8", "--scale-block", "8"});
+    CHECK(row(i, "LRKV").at("total_bytes").get<std::size_t>() == int8.bytes());
+    // Per token: shared K and V (2 x (16 + 2 scales x 4)), 8 latents (8 x (4 + 4)).
+    CHECK(row(i, "LRKV").at("total_bytes") == 100LL * (2 * (16 + 8) + 8 * (4 + 4)));
+    auto fp8 = layer.make_cache<kvattn::Fp8E4M3<16>>();
+    layer.prefill(x, fp8);
+    const json f = with({"--dtype", "fp8", "--scale-block", "16"});
+    CHECK(row(f, "LRKV").at("total_bytes").get<std::size_t>() == fp8.bytes());
+  }
 }
