@@ -7,8 +7,8 @@
 //    this test, are within the format's bound of the appended rows, and the cache's views
 //    return exactly them.
 //  * bytes() equals the analysis module's prediction for the format and a hand count.
-//  * attend (1 and 2 threads, contiguous and paged) equals the double reference
-//    (reference::decode_step) on the rows this test decoded, to float precision.
+//  * attend (1 and 2 threads, contiguous and paged) and attend_states equal the double
+//    reference (reference::decode_step) on the rows this test decoded, to float precision.
 //  * prefill (chunked, after cached tokens) and decode equal the double reference on the
 //    cache's own contents, and stay within the format's accuracy of an fp32 cache.
 //  * decode_batch equals single decodes.
@@ -248,6 +248,21 @@ void check_rows_and_attend(const LrkvConfig& c, Index length, std::uint64_t seed
     CAPTURE(length, threads.count);
     CHECK(relative_error(heads, want) <= kFloatTolerance);
     CHECK(relative_error(paged_heads, want) <= kFloatTolerance);
+  }
+  // attend_states: the same attention as unnormalized partial states (no sink logits).
+  auto ws = layer.make_workspace();
+  for (int paged_states = 0; paged_states < 2; ++paged_states) {
+    SoftmaxStates<float> states;
+    if (paged_states == 1) {
+      layer.attend_states(query, length - 1, paged, states, ws);
+    } else {
+      layer.attend_states(query, length - 1, cache, states, ws);
+    }
+    RowVector<float> heads(c.n_heads * dh);
+    for (Index h = 0; h < c.n_heads; ++h)
+      heads.segment(h * dh, dh) = states.acc.row(h) / states.sum(h);
+    CAPTURE(paged_states);
+    CHECK(relative_error(heads, want) <= kFloatTolerance);
   }
 }
 
