@@ -487,3 +487,42 @@ TEST_CASE("A windowed paged quantized LRKV cache equals the contiguous one", "[q
   }
   CHECK(paged.tokens() < cache.tokens());  // pages were returned
 }
+
+TEST_CASE("decode_batch over forks of a quantized LRKV prompt, the prompt read once",
+          "[quantized]") {
+  // Forks of one prompt share its pages; with shared_prefix the prefix tiles are scored by
+  // every sequence's heads in one pass (cascade). Each row equals a single decode.
+  for (const LrkvConfig& c : configs()) {
+    CAPTURE(c.n_heads, c.head_dim, c.rank, to_string(c.rope_mode), c.key_norm);
+    const auto layer = LrkvLayer<float>::random(c, 61);
+    using Cache = PagedLrkvCache<float, Fp8E4M3<32>>;
+    auto pool = make_lrkv_page_pool<Fp8E4M3<32>>(c, 16, 128);
+    Cache root(c, pool);
+    constexpr Index prompt = 90;  // mid-page
+    layer.prefill(random_input<float>(prompt, c.d_model, 7), root);
+    std::vector<Cache> forks;
+    const Index suffix[] = {0, 5, 40};
+    for (int s = 0; s < 3; ++s) {
+      forks.push_back(root);
+      if (suffix[s] > 0) {
+        layer.prefill(random_input<float>(suffix[s], c.d_model, 8 + s), forks.back());
+      }
+    }
+    for (const Index shared : {prompt, Index{33}}) {
+      for (const int threads : {1, 2}) {
+        std::vector<Cache> batch = forks, single = forks;
+        std::vector<Cache*> pointers{&batch[0], &batch[1], &batch[2]};
+        const MatF x = random_input<float>(3, c.d_model, 9);
+        MatF out(3, c.d_model);
+        layer.decode_batch(x, std::span<Cache* const>(pointers), out, Threads{threads},
+                           BatchOptions{shared});
+        for (int s = 0; s < 3; ++s) {
+          RowVector<float> want(c.d_model);
+          layer.decode(x.row(s), single[static_cast<std::size_t>(s)], want);
+          CAPTURE(shared, threads, s);
+          CHECK(relative_error(out.row(s), want) <= kFloatTolerance);
+        }
+      }
+    }
+  }
+}
