@@ -52,3 +52,34 @@ TEST_CASE("LRKV decode with double compute and float storage allocates nothing e
   CHECK(count.operator_new == 0);
   CHECK_FALSE(count.eigen_malloc);
 }
+
+TEST_CASE("LRKV decode over a quantized cache allocates nothing either",
+          "[cache][lrkv][quantized]") {
+  for (const LrkvRopeMode mode :
+       {LrkvRopeMode::shared, LrkvRopeMode::decoupled, LrkvRopeMode::commuting}) {
+    LrkvConfig c{128, 4, 32, 20, mode, {RopeLayout::half_split, 10000.0, 0}};
+    if (mode == LrkvRopeMode::decoupled) c.rope_dim = 8;
+    if (mode == LrkvRopeMode::commuting) c.rank = 12;
+    c.key_norm = true;
+    const auto layer = LrkvLayer<float>::random(c, 5);
+    const RowMatrix<float> x = test::random_input<float>(64, 128, 6);
+    auto int8 = layer.make_cache<Int8<16>>(64);
+    auto fp8 = layer.make_cache<Fp8E4M3<>>(64);
+    layer.prefill(x.topRows(8), int8);
+    layer.prefill(x.topRows(8), fp8);
+    RowVector<float> out(128);
+    auto workspace = layer.make_workspace();
+    layer.decode(x.row(8), int8, out, workspace);  // warms up
+    layer.decode(x.row(8), fp8, out, workspace);
+    const auto count = test::count_allocations([&] {
+      for (Index t = 9; t < 64; ++t) {
+        layer.decode(x.row(t), int8, out, workspace);
+        layer.decode(x.row(t), fp8, out, workspace);
+      }
+    });
+    CAPTURE(to_string(mode));
+    CHECK(count.operator_new == 0);
+    CHECK_FALSE(count.eigen_malloc);
+    CHECK(out.allFinite());
+  }
+}
