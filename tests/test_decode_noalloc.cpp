@@ -165,7 +165,7 @@ void check_every_storage_and_thread_count(const Layer& layer, Index length) {
   }
 }
 
-// The GQA family and MLA also take block-quantized caches (one block per row, and several).
+// Block-quantized caches (one block per row, and several).
 template <class Layer>
 void check_quantized_storage(const Layer& layer, Index length) {
   for (const Threads threads : {Threads{1}, Threads{2}}) {
@@ -223,7 +223,9 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
   SECTION("LRKV") {
     LrkvConfig c{64, 4, 32, 8, LrkvRopeMode::shared, rope};
     c.key_norm = true;
-    check_every_storage_and_thread_count(LrkvLayer<float>::random(c, 5), 300);
+    const auto layer = LrkvLayer<float>::random(c, 5);
+    check_every_storage_and_thread_count(layer, 300);
+    check_quantized_storage(layer, 300);
   }
 }
 

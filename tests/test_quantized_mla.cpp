@@ -319,6 +319,36 @@ TEST_CASE("MLA quantized caches: decode error against fp32 at a DeepSeek-V2-Lite
                                                                         << fp8);
 }
 
+TEST_CASE("MLA quantized caches with a window and sink tokens", "[quantized][window]") {
+  // Contiguous: decode equals the double reference (the window's mask) on the rows this
+  // test decoded; paged (pages the window passed go back to the pool): the same outputs.
+  MlaConfig c = configs()[0];
+  c.window = 40;
+  c.sink_tokens = 3;
+  const auto layer = MlaLayer<float>::random(c, 61);
+  const auto dlayer = to_double(layer);
+  const MatF x = random_input<float>(160, c.d_model, 62);
+  auto cache = layer.template make_cache<Fp8E4M3<32>>();
+  auto pool = make_mla_page_pool<Fp8E4M3<32>>(c, 16, 16);
+  PagedMlaCache<float, Fp8E4M3<32>> paged(c, pool);
+  layer.prefill(x.topRows(100), cache);
+  layer.prefill(x.topRows(100), paged);
+  RowVector<float> out(c.d_model), paged_out(c.d_model);
+  for (Index t = 100; t < x.rows(); ++t) {
+    const Threads threads{t % 2 == 0 ? 1 : 2};
+    layer.decode(x.row(t), cache, out, threads);
+    layer.decode(x.row(t), paged, paged_out, threads);
+    const MatD q = project_query(dlayer, x.row(t).cast<double>());
+    const MatD want = reference::decode_step(dlayer, double_cache(dlayer, stored_rows(cache)), q) *
+                      dlayer.weights().w_o;
+    CAPTURE(t);
+    CHECK(relative_error(out, want) <= kFloatTolerance);
+    CHECK(relative_error(paged_out, out) <= kFloatTolerance);
+  }
+  // The paged cache keeps the sinks' page and the window's: at most 1 + ceil(40 / 16) + 1.
+  CHECK(pool->pages_in_use() <= 5);
+}
+
 namespace {
 
 // A NaN or infinity for a quantized cache: value_error, and the cache as it was.

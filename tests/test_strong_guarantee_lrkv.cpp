@@ -41,5 +41,7 @@ TEST_CASE("LRKV calls keep the strong guarantee under allocation failure",
   for (const Threads threads : {Threads{1}, Threads{2}}) {
     test::check_layer<float>("LRKV", layer, threads, rows_of, prefill);
     test::check_layer<Eigen::bfloat16>("LRKV", layer, threads, rows_of, prefill);
+    test::check_layer<Int8<>>("LRKV", layer, threads, rows_of, prefill);
+    test::check_layer<Fp8E4M3<4>>("LRKV", layer, threads, rows_of, prefill);  // 2 blocks a part
   }
 }
