@@ -11,7 +11,8 @@
 //    reference (reference::decode_step) on the rows this test decoded, to float precision.
 //  * prefill (chunked, after cached tokens) and decode equal the double reference on the
 //    cache's own contents, and stay within the format's accuracy of an fp32 cache.
-//  * decode_batch equals single decodes.
+//  * decode_batch equals single decodes (also with a shared prefix over forks).
+//  * A double layer over an int8 cache equals the reference to double precision.
 //  * A NaN or infinity headed for a quantized cache throws value_error and changes nothing.
 #include <catch2/catch.hpp>
 
@@ -524,5 +525,31 @@ TEST_CASE("decode_batch over forks of a quantized LRKV prompt, the prompt read o
         }
       }
     }
+  }
+}
+
+TEST_CASE("A double LRKV layer over an int8 cache is exact on the stored rows", "[quantized]") {
+  // Codes and fp32 scales widen exactly to double: prefill and decode equal the double
+  // reference on the decoded rows to double precision.
+  const LrkvConfig c = make_config(48, 3, 24, 10, LrkvRopeMode::decoupled, 8, true);
+  const auto layer = LrkvLayer<double>::random(c, 71);
+  auto cache = layer.template make_cache<Int8<16>>();
+  const MatD x = random_input<double>(45, c.d_model, 8);
+  const MatD y = layer.prefill(x.topRows(40), cache);
+  {
+    const Decoded d = stored_rows(cache);
+    const MatD q = project_query(layer, x.row(39));
+    const MatD want =
+        reference::decode_step(layer, double_cache(c, d, 40), q) * layer.weights().w_o;
+    CHECK(relative_error(y.row(39), want) <= 1e-12);
+  }
+  for (Index t = 40; t < 45; ++t) {
+    const RowVector<double> out = layer.decode(x.row(t), cache, Threads{2});
+    const Decoded d = stored_rows(cache);
+    const MatD q = project_query(layer, x.row(t));
+    const MatD want =
+        reference::decode_step(layer, double_cache(c, d, t + 1), q) * layer.weights().w_o;
+    CAPTURE(t);
+    CHECK(relative_error(out, want) <= 1e-12);
   }
 }
