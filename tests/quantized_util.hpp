@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -54,6 +55,25 @@ double element_bound(double x, double amax) {
                            ? scale / 2
                            : std::max(std::ldexp(std::fabs(x), -4), std::ldexp(scale, -10));
   return bound * (1 + 1e-6) + std::ldexp(std::fabs(x), -22);
+}
+
+/// A bf16 element from its two bytes: the upper half of an fp32.
+inline double bf16_value(const void* at) {
+  std::uint16_t bits;
+  std::memcpy(&bits, at, sizeof bits);
+  return static_cast<double>(std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16));
+}
+
+/// Tolerance of a quantized cache's layer output against an fp32 cache's, from each
+/// format's per-element error (core/quantized.hpp), derived as test_storage_bf16.cpp does
+/// for bf16: a row's elements are N(0, 1), so amax over a block of 32-128 is about 2.5-3;
+/// int8 then stores each element within scale / 2 = amax / 254 ~ 0.012 (~u = 0.012
+/// relative to the rms element, u / sqrt(3) rms), e4m3 within 2^-4 relative (u = 0.0625).
+/// Values and logits add in quadrature to about u in all; the tolerance is 4u. Measured
+/// (AVX2 build, GQA family, max over the steps): int8 ~0.006-0.011, e4m3 ~0.03-0.044.
+template <class S>
+constexpr double format_tolerance() {
+  return S::code == Dtype::int8 ? 4 * 3.0 / 254.0 : 4 * 0.0625;
 }
 
 }  // namespace kvattn::test

@@ -32,6 +32,7 @@
 using namespace kvattn;
 using kvattn::test::decode_row;
 using kvattn::test::element_bound;
+using kvattn::test::format_tolerance;
 using kvattn::test::project_query;
 using kvattn::test::random_input;
 using kvattn::test::relative_error;
@@ -169,18 +170,6 @@ void check_rows_and_attend(const GqaConfig& c, Index length, std::uint64_t seed)
     CHECK(relative_error(heads, want) <= kFloatTolerance);
     CHECK(relative_error(paged_heads, want) <= kFloatTolerance);
   }
-}
-
-// Tolerance of a quantized cache against an fp32 one, from each format's per-element
-// error (core/quantized.hpp), derived as test_storage_bf16.cpp does for bf16: a row's
-// elements are N(0, 1), so amax over a block of 32-128 is about 2.5-3; int8 then stores
-// each element within scale / 2 = amax / 254 ~ 0.012 (~u = 0.012 relative to the rms
-// element, u / sqrt(3) rms), e4m3 within 2^-4 relative (u = 0.0625). Values and logits
-// add in quadrature to about u in all; the tolerance is 4u. Measured (AVX2 build, max
-// over the steps): int8 ~0.006-0.011, e4m3 ~0.03-0.044.
-template <class S>
-constexpr double format_tolerance() {
-  return S::code == Dtype::int8 ? 4 * 3.0 / 254.0 : 4 * 0.0625;
 }
 
 // Prefill in two chunks, then decode, into a quantized and an fp32 cache: every output

@@ -16,7 +16,7 @@
 //  * A NaN or infinity headed for a quantized cache throws value_error and changes nothing.
 #include <catch2/catch.hpp>
 
-#include <bit>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +33,9 @@
 #include "test_util.hpp"
 
 using namespace kvattn;
+using kvattn::test::bf16_value;
+using kvattn::test::element_bound;
+using kvattn::test::format_tolerance;
 using kvattn::test::project_query;
 using kvattn::test::random_input;
 using kvattn::test::relative_error;
@@ -72,23 +75,11 @@ Index part_bytes(Index w) {
   return w + 4 * ((w + S::block - 1) / S::block);
 }
 
-// A part of w values stored at `part`, decoded from its bytes.
+// A part of w values stored at `part`, decoded from its bytes (quantized_util.hpp).
 template <class S>
 void decode_part(const unsigned char* part, Index w, double* out) {
-  for (Index j = 0; j < w; ++j) {
-    const double scale = kvattn::test::stored_scale(part, w, j / S::block);
-    const double code = S::code == Dtype::int8
-                            ? static_cast<double>(static_cast<std::int8_t>(part[j]))
-                            : kvattn::test::e4m3_value(part[j]);
-    out[j] = code * scale;
-  }
-}
-
-// A bf16 element from its two bytes: the upper half of an fp32.
-double bf16_value(const void* at) {
-  std::uint16_t bits;
-  std::memcpy(&bits, at, sizeof bits);
-  return static_cast<double>(std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16));
+  const std::vector<double> values = kvattn::test::decode_row<S>(part, w);
+  std::copy(values.begin(), values.end(), out);
 }
 
 // Every stored row of a cache, decoded by this test, in the append layout (rows_type).
@@ -124,17 +115,6 @@ Decoded stored_rows(const Cache& cache) {
     }
   }
   return d;
-}
-
-// The format's bound on |x - stored| for an element x of a block with largest magnitude
-// amax (core/quantized.hpp), with the slack of the fp32 scale's rounding.
-template <class S>
-double element_bound(double x, double amax) {
-  const double scale = amax / (S::code == Dtype::int8 ? 127.0 : 448.0);
-  const double bound = S::code == Dtype::int8
-                           ? scale / 2
-                           : std::max(std::ldexp(std::fabs(x), -4), std::ldexp(scale, -10));
-  return bound * (1 + 1e-6) + std::ldexp(std::fabs(x), -22);
 }
 
 // Each stored element within the bound of the appended one; parts `w` wide (blocks of B
@@ -265,13 +245,6 @@ void check_rows_and_attend(const LrkvConfig& c, Index length, std::uint64_t seed
     CAPTURE(paged_states);
     CHECK(relative_error(heads, want) <= kFloatTolerance);
   }
-}
-
-// Tolerance of a quantized cache against an fp32 one (test_quantized_gqa.cpp derives
-// it): 4u with u = 3/254 (int8) or 2^-4 (e4m3) per element.
-template <class S>
-constexpr double format_tolerance() {
-  return S::code == Dtype::int8 ? 4 * 3.0 / 254.0 : 4 * 0.0625;
 }
 
 // Prefill in two chunks, then decode, into a quantized cache (contiguous or paged) and an

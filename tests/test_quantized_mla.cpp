@@ -32,8 +32,10 @@
 #include "test_util.hpp"
 
 using namespace kvattn;
+using kvattn::test::bf16_value;
 using kvattn::test::decode_row;
 using kvattn::test::element_bound;
+using kvattn::test::format_tolerance;
 using kvattn::test::project_query;
 using kvattn::test::random_input;
 using kvattn::test::relative_error;
@@ -67,16 +69,6 @@ MlaConfig mla(Index d_model, Index heads, Index kv_rank, Index q_rank, Index nop
 // query compression, and a narrow one whose rope key is shorter than a packet.
 std::vector<MlaConfig> configs() {
   return {mla(64, 4, 96, 0, 16, 16, 16), mla(48, 3, 64, 24, 8, 4, 12)};
-}
-
-// A bf16 code (the upper half of a float) read from its two bytes.
-double bf16_value(const void* p) {
-  std::uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
 }
 
 // Every stored row [c_t | k_R,t] of a cache, decoded by this test from latent_row(t)
@@ -171,13 +163,6 @@ void check_rows_and_attend(const MlaConfig& c, Index length, std::uint64_t seed)
     CHECK(relative_error(heads, want) <= kFloatTolerance);
     CHECK(relative_error(paged_heads, want) <= kFloatTolerance);
   }
-}
-
-// Tolerance against an fp32 cache (the reasoning of test_quantized_gqa.cpp: N(0, 1)
-// latents, int8 within amax / 254 per element, e4m3 within 2^-4 relative; 4u in all).
-template <class S>
-constexpr double format_tolerance() {
-  return S::code == Dtype::int8 ? 4 * 3.0 / 254.0 : 4 * 0.0625;
 }
 
 // A prompt, a second chunk (expanded in one cache, absorbed in another), then decode
