@@ -26,6 +26,7 @@
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/cache/paged_gqa_cache.hpp"
 #include "kvattn/reference/gqa.hpp"
+#include "quantized_refusal.hpp"
 #include "quantized_util.hpp"
 #include "test_util.hpp"
 
@@ -294,24 +295,7 @@ void check_refused(const GqaLayer<float>& layer, Cache& cache, const PagePool* p
   values(2, c.kv_width() - 1) = -inf;
   CHECK_THROWS_AS(cache.append(keys, values), value_error);
   unchanged();
-  MatF x = random_input<float>(4, c.d_model, 5);
-  x(2, 0) = inf;  // projects to infinite keys and values
-  CHECK_THROWS_AS(layer.prefill(x, cache), value_error);
-  unchanged();
-  RowVector<float> out(c.d_model);
-  CHECK_THROWS_AS(layer.decode(x.row(2), cache, out), value_error);
-  unchanged();
-  Cache other = cache;
-  std::vector<Cache*> pointers{&other, &cache};
-  MatF two = x.topRows(3).bottomRows(2);  // rows 1 (finite) and 2 (infinite)
-  MatF two_out(2, c.d_model);
-  CHECK_THROWS_AS(layer.decode_batch(two, std::span<Cache* const>(pointers), two_out), value_error);
-  unchanged();
-  CHECK(other.tokens() == tokens);
-  // And a finite token still goes in.
-  layer.decode(x.row(1), cache, out);
-  CHECK(cache.tokens() == tokens + 1);
-  CHECK(out.allFinite());
+  kvattn::test::check_layer_refusals(layer, cache, unchanged);
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 #include "kvattn/attention/lrkv.hpp"
 #include "kvattn/cache/paged_lrkv_cache.hpp"
 #include "kvattn/reference/lrkv.hpp"
+#include "quantized_refusal.hpp"
 #include "quantized_util.hpp"
 #include "test_util.hpp"
 
@@ -385,26 +386,7 @@ void check_refused(const LrkvLayer<float>& layer, Cache& cache, const PagePool* 
     CHECK_THROWS_AS(cache.append({shared, shared, latent, latent, rope, rms}), value_error);
     unchanged();
   }
-  MatF x = random_input<float>(4, c.d_model, 5);
-  x(2, 0) = inf;  // projects to infinite keys and values
-  CHECK_THROWS_AS(layer.prefill(x, cache), value_error);
-  unchanged();
-  CHECK_THROWS_AS(layer.append(x, cache), value_error);
-  unchanged();
-  RowVector<float> out(c.d_model);
-  CHECK_THROWS_AS(layer.decode(x.row(2), cache, out), value_error);
-  unchanged();
-  Cache other = cache;
-  std::vector<Cache*> pointers{&other, &cache};
-  MatF two = x.topRows(3).bottomRows(2);  // rows 1 (finite) and 2 (infinite)
-  MatF two_out(2, c.d_model);
-  CHECK_THROWS_AS(layer.decode_batch(two, std::span<Cache* const>(pointers), two_out), value_error);
-  unchanged();
-  CHECK(other.tokens() == tokens);
-  // And a finite token still goes in.
-  layer.decode(x.row(1), cache, out);
-  CHECK(cache.tokens() == tokens + 1);
-  CHECK(out.allFinite());
+  kvattn::test::check_layer_refusals(layer, cache, unchanged);
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 #include "kvattn/attention/mla.hpp"
 #include "kvattn/cache/paged_mla_cache.hpp"
 #include "kvattn/reference/mla.hpp"
+#include "quantized_refusal.hpp"
 #include "quantized_util.hpp"
 #include "test_util.hpp"
 
@@ -92,6 +93,13 @@ MlaCache<double> double_cache(const MlaLayer<double>& dlayer, const MatD& rows) 
   auto cache = dlayer.make_cache();
   cache.append(rows.leftCols(dc), rows.rightCols(rows.cols() - dc));
   return cache;
+}
+
+// The layer's output (1 x d) the double reference gives for the newest of `rows` (rows
+// this test decoded from a cache), x_row being that token's input.
+MatD reference_output(const MlaLayer<double>& dlayer, const MatD& rows, const MatF& x_row) {
+  const MatD q = project_query(dlayer, x_row.cast<double>());
+  return reference::decode_step(dlayer, double_cache(dlayer, rows), q) * dlayer.weights().w_o;
 }
 
 template <class S>
@@ -189,10 +197,7 @@ double check_prefill_and_decode(const MlaConfig& c, std::uint64_t seed, Index fi
   double max_vs_fp32 = relative_error(chunk, chunk_full);
   for (Index i = 0; i < second; i += 7) {
     const Index visible = first + i + 1;
-    const MatD q = project_query(dlayer, x.row(first + i).cast<double>());
-    const MatD want =
-        reference::decode_step(dlayer, double_cache(dlayer, rows.topRows(visible)), q) *
-        dlayer.weights().w_o;
+    const MatD want = reference_output(dlayer, rows.topRows(visible), x.row(first + i));
     CAPTURE(i);
     CHECK(relative_error(chunk.row(i), want) <= kFloatTolerance);
     CHECK(relative_error(chunk_absorbed.row(i), want) <= kFloatTolerance);
@@ -203,9 +208,7 @@ double check_prefill_and_decode(const MlaConfig& c, std::uint64_t seed, Index fi
     const Threads threads{s % 2 == 0 ? 1 : 2};
     layer.decode(x.row(t), cache, out, threads);
     layer.decode(x.row(t), full, out_full, threads);
-    const MatD q = project_query(dlayer, x.row(t).cast<double>());
-    const MatD want = reference::decode_step(dlayer, double_cache(dlayer, stored_rows(cache)), q) *
-                      dlayer.weights().w_o;
+    const MatD want = reference_output(dlayer, stored_rows(cache), x.row(t));
     CAPTURE(s);
     CHECK(relative_error(out, want) <= kFloatTolerance);
     max_vs_fp32 = std::max(max_vs_fp32, relative_error(out, out_full));
@@ -323,9 +326,7 @@ TEST_CASE("MLA quantized caches with a window and sink tokens", "[quantized][win
     const Threads threads{t % 2 == 0 ? 1 : 2};
     layer.decode(x.row(t), cache, out, threads);
     layer.decode(x.row(t), paged, paged_out, threads);
-    const MatD q = project_query(dlayer, x.row(t).cast<double>());
-    const MatD want = reference::decode_step(dlayer, double_cache(dlayer, stored_rows(cache)), q) *
-                      dlayer.weights().w_o;
+    const MatD want = reference_output(dlayer, stored_rows(cache), x.row(t));
     CAPTURE(t);
     CHECK(relative_error(out, want) <= kFloatTolerance);
     CHECK(relative_error(paged_out, out) <= kFloatTolerance);
@@ -359,26 +360,7 @@ void check_refused(const MlaLayer<float>& layer, Cache& cache, const PagePool* p
   rope(2, c.rope_dim - 1) = -inf;
   CHECK_THROWS_AS(cache.append(latent, rope), value_error);
   unchanged();
-  MatF x = random_input<float>(4, c.d_model, 5);
-  x(2, 0) = inf;  // projects to an infinite (or NaN) latent and rope key
-  CHECK_THROWS_AS(layer.prefill(x, cache), value_error);
-  unchanged();
-  RowVector<float> out(c.d_model);
-  CHECK_THROWS_AS(layer.decode(x.row(2), cache, out), value_error);
-  unchanged();
-  CHECK_THROWS_AS(layer.append(x, cache), value_error);
-  unchanged();
-  Cache other = cache;
-  std::vector<Cache*> pointers{&other, &cache};
-  MatF two = x.topRows(3).bottomRows(2);  // rows 1 (finite) and 2 (infinite)
-  MatF two_out(2, c.d_model);
-  CHECK_THROWS_AS(layer.decode_batch(two, std::span<Cache* const>(pointers), two_out), value_error);
-  unchanged();
-  CHECK(other.tokens() == tokens);
-  // And a finite token still goes in.
-  layer.decode(x.row(1), cache, out);
-  CHECK(cache.tokens() == tokens + 1);
-  CHECK(out.allFinite());
+  kvattn::test::check_layer_refusals(layer, cache, unchanged);
 }
 
 }  // namespace
