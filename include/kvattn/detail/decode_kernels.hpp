@@ -75,6 +75,14 @@ inline constexpr int kPaired = 2;
 // B adjacent tokens t0 ... t0 + B - 1 of k (tokens past n re-read the last row, never
 // memory past the tile, and their sums are dropped). Row m reads k + m * seg when
 // Segmented. out (row stride ld) is the logits of row 0 at token t0.
+// Tokens of a score block read together, column packet by column packet, before the
+// next ones: all B, except for a single query row against shared keys (MHA), where
+// every FMA needs a key load of its own and B = 16 rows read side by side spread the
+// loads over 16 rows of the tile; 4 at a time keep the reading nearly sequential.
+constexpr int score_sub_block(int M, int B, int Layout) {
+  return M == 1 && Layout == kShared && B % 4 == 0 ? 4 : B;
+}
+
 template <class T, class S, int M, int B, int Layout>
 inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index k_stride, Index seg,
                         Index t0, Index n, T* out, Index ld, bool add, Prefetcher* prefetch,
@@ -91,7 +99,9 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
   Packet<T> acc[R * P];
   KVATTN_UNROLL
   for (int a = 0; a < R * P; ++a) acc[a] = ei::pset1<Packet<T>>(T(0));
-  auto step = [&](Index j, Index skip) {
+  // Tokens [b0, b0 + Sub) of the block against columns [j, j + P).
+  constexpr int Sub = score_sub_block(M, B, Layout);
+  auto step = [&](Index j, Index skip, int b0) {
     if (prefetch != nullptr) prefetch->step();
     Packet<T> qp[M];
     KVATTN_UNROLL
@@ -100,7 +110,7 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
       if (skip > 0) qp[m] = zero_first<T>(qp[m], skip);
     }
     KVATTN_UNROLL
-    for (int b = 0; b < B; ++b) {
+    for (int b = b0; b < b0 + Sub; ++b) {
       if constexpr (Segmented) {
         KVATTN_UNROLL
         for (int m = 0; m < M; ++m) {
@@ -145,9 +155,12 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
 #endif
   } else {
     const Index full = dk / P * P;
-    for (Index j = 0; j < full; j += P) step(j, 0);
-    // The overlapping last packet, its repeated lanes zeroed in both operands.
-    if (full < dk) step(dk - P, P - (dk - full));
+    KVATTN_UNROLL
+    for (int b0 = 0; b0 < B; b0 += Sub) {
+      for (Index j = 0; j < full; j += P) step(j, 0, b0);
+      // The overlapping last packet, its repeated lanes zeroed in both operands.
+      if (full < dk) step(dk - P, P - (dk - full), b0);
+    }
   }
   if (second != nullptr && second->dk >= P) {
     // Row m's own slice of each cached row, into the same accumulators.
@@ -238,8 +251,10 @@ void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k,
   (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
   const Index blocks = (n + B - 1) / B;
-  Index chunks = 0;
-  for (Index i0 = 0; i0 < G; i0 += block_rows(G - i0)) ++chunks;
+  Index chunks = 0;  // prefetch steps per token block and column packet
+  for (Index i0 = 0; i0 < G; i0 += block_rows(G - i0)) {
+    chunks += B / kernels::score_sub_block(block_rows(G - i0), B, Layout);
+  }
   const Index dk2 = second != nullptr ? second->dk : 0;
   if (prefetch != nullptr) prefetch->plan(chunks * blocks * ((dk + P - 1) / P + (dk2 + P - 1) / P));
   for (Index t0 = 0; t0 < n; t0 += B) {
