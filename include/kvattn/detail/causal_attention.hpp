@@ -19,6 +19,7 @@
 
 #include "kvattn/core/types.hpp"
 #include "kvattn/detail/attention_span.hpp"
+#include "kvattn/detail/packet_ops.hpp"
 
 namespace kvattn::detail {
 
@@ -67,6 +68,9 @@ void causal_query_tile(const CausalShape& shape, CausalScratch<T>& scratch, cons
                        Index q0, Index nq, T* out, Index out_stride, const T* sink = nullptr) {
   constexpr Index tile = kPrefillTile;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  using Pk = Packet<T>;
+  constexpr Index P = packet_size<T>;
+  static_assert(tile % P == 0, "a tile's logits row is whole packets");
   const AttentionSpan& span = shape.span;
   auto& acc = scratch.acc;
   auto& running_max = scratch.running_max;
@@ -94,6 +98,7 @@ void causal_query_tile(const CausalShape& shape, CausalScratch<T>& scratch, cons
       if (k0 < shape.split && shape.segment > 0)
         nk = std::min(nk, shape.segment - k0 % shape.segment);
       T* s = scratch.scores.data();
+      const Index n_pad = (nk + P - 1) / P * P;
       ops.score(q0, nq, k0, nk, s, tile, buffer);
       bool whole_tile = true;  // every row sees every key of the tile
       for (Index r = 0; r < nq; ++r) {
@@ -102,26 +107,29 @@ void causal_query_tile(const CausalShape& shape, CausalScratch<T>& scratch, cons
         visible_run(r, k0, nk, lo, hi);
         whole_tile = whole_tile && lo == 0 && hi == nk;
         if (softcap > T(0) && hi > lo) cap_logits(row + lo, hi - lo, softcap);
-        T row_max = neg_inf;
-        for (Index c = 0; c < nk; ++c) {
-          if (c >= lo && c < hi) {
-            row_max = std::max(row_max, row[c]);
-          } else {
-            row[c] = neg_inf;
-          }
-        }
-        const T new_max = std::max(running_max(r), row_max);
+        // Invisible keys and the padding to whole packets -inf (weight exactly 0), then
+        // the max and the exponentials a packet at a time (the scalar std::exp loop was
+        // 8% of a GQA prefill's samples).
+        const Index begin = std::min(lo, nk), end = std::clamp(hi, begin, nk);
+        std::fill(row, row + begin, neg_inf);
+        std::fill(row + end, row + n_pad, neg_inf);
+        Pk maxes = ei::pset1<Pk>(neg_inf);
+        for (Index c = 0; c < n_pad; c += P) maxes = ei::pmax(maxes, ei::ploadu<Pk>(row + c));
+        const T new_max = std::max(running_max(r), ei::predux_max(maxes));
         if (new_max == neg_inf) {  // no visible key in this tile yet
           rescale(r) = T(1);
-          for (Index c = 0; c < nk; ++c) row[c] = T(0);
+          std::fill(row, row + nk, T(0));
           continue;
         }
-        rescale(r) = std::exp(running_max(r) - new_max);  // exp(-inf) = 0
-        T row_sum = 0;
-        for (Index c = 0; c < nk; ++c) {
-          row[c] = std::exp(row[c] - new_max);
-          row_sum += row[c];
+        rescale(r) = softmax_exp(running_max(r) - new_max);  // exp(-inf) = 0
+        const Pk shift = ei::pset1<Pk>(new_max);
+        Pk sums = ei::pset1<Pk>(T(0));
+        for (Index c = 0; c < n_pad; c += P) {
+          const Pk w = softmax_exp<T>(ei::psub(ei::ploadu<Pk>(row + c), shift));
+          ei::pstoreu(row + c, w);
+          sums = ei::padd(sums, w);
         }
+        const T row_sum = ei::predux(sums);
         normalizer(r) = normalizer(r) * rescale(r) + row_sum;
         running_max(r) = new_max;
       }
