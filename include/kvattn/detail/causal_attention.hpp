@@ -24,7 +24,7 @@
 namespace kvattn::detail {
 
 /// Rows of queries and keys per tile.
-inline constexpr Index kPrefillTile = 64;
+inline constexpr Index kPrefillTile = 128;
 
 /// The shape of one causal attention: query i (0-based among the new tokens) sits at
 /// cache index past + i and sees keys 0 ... past + i (within span's window and sinks).
