@@ -151,6 +151,21 @@ TEST_CASE("score_rows equals a plain loop at awkward sizes", "[kernels]") {
   }
 }
 
+// Many rows against widths that are whole packets: on AVX-512 the outer-product score
+// (transposed chunks of 32 tokens, rows in blocks of 8), partial chunks and blocks
+// included; elsewhere the dot-product blocks again.
+TEST_CASE("score_rows of many query rows equals a plain loop", "[kernels]") {
+  for (const Index dk : {16, 64, 128, 256, 272}) {
+    for (const Index G : {8, 9, 16, 32, 35}) {
+      for (const Index n : {1, 7, 31, 32, 33, 70}) {
+        check_score<float>(G, dk, n, false, false);
+        check_score<float>(G, dk, n, false, true);
+        check_score<Eigen::bfloat16>(G, dk, n, false, false);
+      }
+    }
+  }
+}
+
 TEST_CASE("score_rows with a second, per-row dot product (LRKV's residual)", "[kernels]") {
   for (const Index dk : {3, 128}) {
     for (const Index dk2 : {1, 54, 59}) {

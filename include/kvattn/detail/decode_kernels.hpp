@@ -12,12 +12,15 @@
 //
 //   score_rows       logits = Q K_tile^T: blocks of M query rows x B adjacent tokens,
 //                    one accumulator packet per (row, token) in flight (12 on
-//                    16-register ISAs, 16 on 32-register ones: enough independent FMA
-//                    chains to cover the FMA latency), so a query packet serves B tokens
+//                    16-register ISAs, 16 on 32-register ones, 24 for 4 rows there:
+//                    enough independent FMA chains to cover the FMA latency), so a query
+//                    packet serves B tokens
 //                    and a key packet M rows; a block's dot products are reduced
 //                    together, P at a time, by one transpose-and-add (sum_lanes), never
 //                    one horizontal sum per token. The tile is read front to back, one
 //                    sequential stream, which the caller's Prefetcher runs ahead of.
+//                    Many rows against narrow shared keys take outer products over a
+//                    transposed chunk instead (score_rows_outer, AVX-512).
 //   accumulate_rows  acc (G x d_v) += W V_tile: M rows x D packets of columns held in
 //                    registers while the tokens stream by (one broadcast weight per row
 //                    and D value packets per token).
@@ -299,6 +302,120 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
   }
 }
 
+#if defined(EIGEN_VECTORIZE_AVX512)
+// The outer-product score for many query rows against shared keys (MQA's 32 heads,
+// a shared prefix's stacked rows). The dot-product blocks above end every block of
+// (row, token) sums with a horizontal reduction, about 3 shuffle-or-add operations per
+// sum whatever dk: with dk = 128 that is a third again on top of the 8 FMAs of each sum
+// (perf of decode/mqa: the score pass took 37% of the step's samples, the
+// accumulate, with as many FMAs and no reduction, 20%). Here each chunk of 2P tokens
+// is first transposed into a dk x 2P block (16 x 16 register transposes, a quarter of a
+// shuffle per key element, shared by all G rows), and then every query element,
+// broadcast, multiplies two packets of 16 tokens: the sums come out in lanes, already
+// token-major as the logits are, with no reduction.
+inline constexpr Index kOuterMaxDk = 256;  // the transposed chunk lives on the stack
+
+// Should G rows of dk columns take the outer-product score? When the reductions it
+// saves (about 3 operations per row and token) outweigh the transposes it adds (about
+// dk / 4 per token, and the reloads of the transposed chunk): G >= dk / 8.
+template <class T>
+constexpr bool outer_score(Index G, Index dk) {
+  return std::is_same_v<T, float> && dk % packet_size<T> == 0 && dk <= kOuterMaxDk && 8 * G >= dk &&
+         G >= 8;
+}
+
+// Rows [0, M) of q against a transposed chunk (packed[j * 2P + c] = key of token c,
+// column j); the sums go to out rows (stride ld), the first `count` tokens of the chunk.
+template <class T, int M>
+inline void outer_block(const T* q, Index q_stride, Index dk, const T* packed, Index count, T* out,
+                        Index ld, bool add) {
+  constexpr Index P = packet_size<T>;
+  Packet<T> acc[M][2];
+  KVATTN_UNROLL
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = ei::pset1<Packet<T>>(T(0));
+  for (Index j = 0; j < dk; ++j) {
+    const Packet<T> k0 = ei::pload<Packet<T>>(packed + j * 2 * P);
+    const Packet<T> k1 = ei::pload<Packet<T>>(packed + j * 2 * P + P);
+    KVATTN_UNROLL
+    for (int m = 0; m < M; ++m) {
+      const Packet<T> qm = ei::pset1<Packet<T>>(q[m * q_stride + j]);
+      acc[m][0] = ei::pmadd(qm, k0, acc[m][0]);
+      acc[m][1] = ei::pmadd(qm, k1, acc[m][1]);
+    }
+  }
+  KVATTN_UNROLL
+  for (int m = 0; m < M; ++m) {
+    T* o = out + m * ld;
+    if (count == 2 * P && !add) {
+      ei::pstoreu(o, acc[m][0]);
+      ei::pstoreu(o + P, acc[m][1]);
+    } else {
+      alignas(64) T sums[2 * P];
+      ei::pstore(sums, acc[m][0]);
+      ei::pstore(sums + P, acc[m][1]);
+      for (Index c = 0; c < count; ++c) o[c] = add ? o[c] + sums[c] : sums[c];
+    }
+  }
+}
+
+// outer_block with a run-time M in [1, Mmax].
+template <class T, int Mmax>
+inline void outer_block_n(int M, const T* q, Index q_stride, Index dk, const T* packed, Index count,
+                          T* out, Index ld, bool add) {
+  if constexpr (Mmax >= 1) {
+    if (M == Mmax) {
+      outer_block<T, Mmax>(q, q_stride, dk, packed, count, out, ld, add);
+    } else {
+      outer_block_n<T, Mmax - 1>(M, q, q_stride, dk, packed, count, out, ld, add);
+    }
+  }
+}
+
+// (PacketBlock<Packet<T>, P>: see sum_lanes in packet_ops.hpp for the warning.)
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+template <class T, class S>
+void score_rows_outer(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
+                      Index n, T* logits, Index ld, bool add, Prefetcher* prefetch) {
+  constexpr Index P = packet_size<T>;
+  constexpr int Rows = 8;  // 16 accumulators, 2 key packets and a broadcast in registers
+  alignas(64) T packed[kOuterMaxDk * 2 * P];
+  const Index chunks = (n + 2 * P - 1) / (2 * P);
+  if (prefetch != nullptr) prefetch->plan(chunks * 2 * (dk / P));
+  for (Index t0 = 0; t0 < n; t0 += 2 * P) {
+    // Tokens past n re-read the last one (never memory past the tile); dropped at the end.
+    KVATTN_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      for (Index j0 = 0; j0 < dk; j0 += P) {
+        if (prefetch != nullptr) prefetch->step();
+        ei::PacketBlock<Packet<T>, P> block;
+        KVATTN_UNROLL
+        for (int c = 0; c < P; ++c) {
+          const Index t = std::min(t0 + half * P + c, n - 1);
+          block.packet[c] = load_widened<T>(k + t * k_stride + j0);
+        }
+        ei::ptranspose(block);
+        KVATTN_UNROLL
+        for (int i = 0; i < P; ++i) {
+          ei::pstore(packed + (j0 + i) * 2 * P + half * P, block.packet[i]);
+        }
+      }
+    }
+    const Index count = std::min(2 * P, n - t0);
+    for (Index i0 = 0; i0 < G; i0 += Rows) {
+      const int M = static_cast<int>(std::min<Index>(Rows, G - i0));
+      outer_block_n<T, Rows>(M, q + i0 * q_stride, q_stride, dk, packed, count,
+                             logits + i0 * ld + t0, ld, add);
+    }
+  }
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
 // One accumulate block: acc rows [0, M) x D packets of columns (acc row stride
 // acc_stride, w row stride ld, both already offset to the block) over tokens
 // [t_begin, t_end) of v (already offset to the block's first column); row m reads
@@ -545,6 +662,14 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
       kernels::score_rows<T, S, kernels::kSegmented>(q, q_stride, G, dk, k, k_stride, seg, n,
                                                      logits, ld, add, prefetch, nullptr);
     } else {
+#if defined(EIGEN_VECTORIZE_AVX512)
+      if (second == nullptr && kernels::outer_score<T>(G, dk)) {
+        kernels::score_rows_outer<T, S>(q, q_stride, G, dk, k, k_stride, n, logits, ld, add,
+                                        prefetch);
+        if (prefetch != nullptr) prefetch->finish();
+        return;
+      }
+#endif
       kernels::score_rows<T, S, kernels::kShared>(q, q_stride, G, dk, k, k_stride, 0, n, logits, ld,
                                                   add, prefetch, second);
     }
