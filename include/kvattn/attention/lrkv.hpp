@@ -42,6 +42,7 @@
 #include "kvattn/detail/batch_attention.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/lrkv_kernels.hpp"
 #include "kvattn/detail/quantized_kernels.hpp"
 #include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
@@ -75,6 +76,7 @@ class LrkvLayer {
     RowVector<T> query;             // 1 x H*d_h   q_h for the shared path (scaled, maybe rotated)
     RowVector<T> query_latent;      // 1 x H*r     q_h (.) g B_h^K (scaled)
     RowVector<T> query_rope;        // 1 x H*d_R   P_i q_h^R (scaled)
+    RowMatrix<T> query_t;           // d_h x H_p   q_h as column h (H_p: H in whole packets)
     RowVector<T> key;               // 1 x key width    the new token's key row
     RowVector<T> value;             // 1 x value width  the new token's value row
     RowVector<T> rms;               // 1 x H       the new token's key RMS
@@ -528,6 +530,12 @@ class LrkvLayer {
  private:
   static constexpr Index kDecodeTile = 16;
 
+  // H rounded up to whole packets: the columns of Workspace::query_t.
+  Index padded_heads() const {
+    constexpr Index P = detail::packet_size<T>;
+    return (config_.n_heads + P - 1) / P * P;
+  }
+
   Index key_width() const {
     return config_.head_dim + config_.n_heads * config_.rank + config_.decoupled_dim();
   }
@@ -657,6 +665,7 @@ class LrkvLayer {
     fit(ws.scratch, dh);
     fit(ws.heads, H * dh);
     detail::reshape(ws.acc, H, dh + config_.rank);
+    detail::reshape(ws.query_t, dh, padded_heads());
     const auto plan =
         detail::plan_split(1, H, dh + config_.rank, length, kDecodeTile, 0, threads, span());
     ws.split.fit(plan);
@@ -724,6 +733,10 @@ class LrkvLayer {
     // prefix's tile, read from memory once, serves every sequence of a batch: logits and
     // accumulator rows b*H ... b*H + H-1, the queries b*H*d_h etc. on).
     Index sequences = 1;
+    // The shared queries as columns (d_h x query_t_stride), for detail::lrkv_score; null
+    // (score_rows instead) in a batch step, whose sequences each have their own.
+    const T* query_t = nullptr;
+    Index query_t_stride = 0;
 
     // [data, data + bytes) cut in two at `fraction`, for two consecutive kernel calls.
     static std::pair<detail::Prefetcher, detail::Prefetcher> halves(const void* data, Index bytes,
@@ -754,6 +767,7 @@ class LrkvLayer {
       ops.query_latent += b * heads * rank;
       ops.query_rope += b * heads * rope_dim;
       ops.sequences = 1;
+      if (b > 0) ops.query_t = nullptr;
       return ops;
     }
 
@@ -773,10 +787,15 @@ class LrkvLayer {
       detail::Prefetcher values(prefetch ? cache.value_row(first) : nullptr,
                                 n * value_width * Index{sizeof(S)});
       // q_h . k~_s,t for every head against the shared key (rows read by all heads) + q~_h .
-      // r~_h,t, head h reading its own slice (seg = r), in the same register blocks ...
-      const detail::SecondDot<T> residual{query_latent, rank, rank, head_dim, rank};
-      detail::score_rows(query, head_dim, heads, head_dim, rows, key_width, 0, n, logits, ld, false,
-                         &values, rank > 0 ? &residual : nullptr);
+      // r~_h,t, head h reading its own slice (seg = r), in one pass over each row ...
+      if (query_t != nullptr && rank >= detail::packet_size<T>) {
+        detail::lrkv_score(query_t, query_t_stride, query_latent, heads, head_dim, rank, rows,
+                           key_width, n, logits, ld, &values);
+      } else {
+        const detail::SecondDot<T> residual{query_latent, rank, rank, head_dim, rank};
+        detail::score_rows(query, head_dim, heads, head_dim, rows, key_width, 0, n, logits, ld,
+                           false, &values, rank > 0 ? &residual : nullptr);
+      }
       // ... / rho_h,t ...
       if (key_norm) {
         for (Index t = 0; t < n; ++t) {
@@ -1068,17 +1087,23 @@ class LrkvLayer {
     const Index r = config_.rank;
     finish_query(static_cast<double>(config_.rope.position_offset + position), ws.query.data(),
                  ws.query_latent.data(), ws.query_rope.data());
-    const DecodeOps<Cache> ops{cache,
-                               ws.query.data(),
-                               ws.query_latent.data(),
-                               ws.query_rope.data(),
-                               H,
-                               dh,
-                               r,
-                               config_.decoupled_dim(),
-                               key_width(),
-                               dh + H * r,
-                               config_.key_norm};
+    // The shared queries as columns, for detail::lrkv_score (the padding heads zero).
+    ws.query_t.leftCols(H) =
+        detail::ConstRowsMap<T>(ws.query.data(), H, dh, Eigen::OuterStride<>(dh)).transpose();
+    ws.query_t.rightCols(ws.query_t.cols() - H).setZero();
+    DecodeOps<Cache> ops{cache,
+                         ws.query.data(),
+                         ws.query_latent.data(),
+                         ws.query_rope.data(),
+                         H,
+                         dh,
+                         r,
+                         config_.decoupled_dim(),
+                         key_width(),
+                         dh + H * r,
+                         config_.key_norm};
+    ops.query_t = ws.query_t.data();
+    ops.query_t_stride = ws.query_t.cols();
     detail::split_attention(plan, ws.split, ops, ws.acc.data(),
                             row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
     if (detail::paired_rows<T, S>(dh)) {  // bf16 shared values were summed in pairs

@@ -1,0 +1,129 @@
+// LRKV's decode score kernel (attention/lrkv.hpp, DecodeOps): every head's logits
+// against a tile of cached key rows [k~_s | r~_1 ... r~_H | ...], the shared part and
+// each head's residual slice in one pass over each row.
+//
+// Shapes (rows are tokens): token t's key row at rows + t * stride, t < n; the shared
+// part k~_s,t is its first d_h elements, head h's residual r~_h,t the r elements at
+// d_h + h * r. query_t is the shared queries transposed, d_h x hp (hp: H rounded up to
+// whole packets, the padding heads zero), element (j, h) = q_h[j]; query_latent is
+// H x r, row h = q~_h. Output: logits[h * ld + t] = q_h . k~_s,t + q~_h . r~_h,t for
+// h < H, t < n (columns up to n rounded up to a packet are written too, with garbage).
+//
+// Why not score_rows (decode_kernels.hpp): there every register block of 4 heads
+// re-reads the shared key and reduces each (head, token) sum across lanes, which makes
+// the shared part, 32 heads against one 128-wide row, the costliest part of the step
+// (an MQA inside every LRKV step). Here the shared part is a small GEMM with the heads
+// in the lanes: one broadcast key element times one packet of P heads' query elements
+// per FMA, no lane reduction. Only the residual dot products, one per (head, token) and
+// each over its own slice, are reduced across lanes, P heads of one token at a time,
+// which puts them in the same token-major layout; a P x P transpose per block of P
+// heads and P tokens then gives the head-major logits the softmax reads.
+#pragma once
+
+#include <algorithm>
+
+#include "kvattn/core/types.hpp"
+#include "kvattn/detail/packet_ops.hpp"
+
+namespace kvattn::detail {
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored \
+    "-Wignored-attributes"  // PacketBlock<Packet<T>, P>: see packet_ops.hpp
+#endif
+
+/// See the header comment; requires r >= packet_size<T>. `prefetch` (optional) is stepped
+/// once per shared-key element of each block of tokens and finished at the end.
+template <class T, class S>
+void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Index dh, Index r,
+                const S* rows, Index stride, Index n, T* logits, Index ld,
+                Prefetcher* prefetch = nullptr) {
+  using Pk = Packet<T>;
+  constexpr Index P = packet_size<T>;
+  // Tokens per register block of the shared part: 2 x TB accumulators (two packets of
+  // heads), enough independent FMA chains to cover the latency.
+  constexpr int TB = P >= 8 ? 8 : static_cast<int>(P);
+  const Index full = r / P * P;
+  const Index skip = full < r ? P - (r - full) : 0;
+  if (prefetch != nullptr) {
+    const Index token_blocks = (n + TB - 1) / TB;
+    const Index head_pairs = (hp / P + 1) / 2;
+    prefetch->plan(token_blocks * head_pairs * dh);
+  }
+  for (Index t0 = 0; t0 < n; t0 += P) {
+    for (Index c0 = 0; c0 < hp; c0 += 2 * P) {
+      const bool pair = c0 + P < hp;  // two packets of heads in this pass
+      // The shared part: sums[c][b] = heads [c0 + c P, +P) against token t0 + b.
+      Pk sums[2][P];
+      for (Index b0 = 0; b0 < P; b0 += TB) {
+        const S* row[TB];
+        KVATTN_UNROLL
+        for (int b = 0; b < TB; ++b) row[b] = rows + std::min(t0 + b0 + b, n - 1) * stride;
+        Pk acc0[TB], acc1[TB];
+        KVATTN_UNROLL
+        for (int b = 0; b < TB; ++b) acc0[b] = acc1[b] = ei::pset1<Pk>(T(0));
+        if (t0 + b0 < n) {
+          const T* q = query_t + c0;
+          for (Index j = 0; j < dh; ++j, q += hp) {
+            if (prefetch != nullptr) prefetch->step();
+            const Pk q0 = ei::ploadu<Pk>(q);
+            const Pk q1 = pair ? ei::ploadu<Pk>(q + P) : q0;
+            KVATTN_UNROLL
+            for (int b = 0; b < TB; ++b) {
+              const Pk k = ei::pset1<Pk>(static_cast<T>(row[b][j]));
+              acc0[b] = ei::pmadd(k, q0, acc0[b]);
+              acc1[b] = ei::pmadd(k, q1, acc1[b]);
+            }
+          }
+        }
+        KVATTN_UNROLL
+        for (int b = 0; b < TB; ++b) {
+          sums[0][b0 + b] = acc0[b];
+          sums[1][b0 + b] = acc1[b];
+        }
+      }
+      // The residual part, P heads of one token at a time, then the transpose.
+      for (int c = 0; c < (pair ? 2 : 1); ++c) {
+        const Index h0 = c0 + c * P;
+        const Index heads = std::min(P, H - h0);
+        ei::PacketBlock<Pk, static_cast<int>(P)> block;
+        for (Index b = 0; b < P; ++b) {
+          block.packet[b] = sums[c][b];
+          if (t0 + b >= n) continue;
+          const S* row = rows + (t0 + b) * stride + dh + h0 * r;
+          const T* q = query_latent + h0 * r;
+          Pk dots[P];
+          KVATTN_UNROLL
+          for (int m = 0; m < P; ++m) {
+            Pk a = ei::pset1<Pk>(T(0));
+            if (m < heads) {
+              const S* k = row + m * r;
+              const T* qm = q + m * r;
+              for (Index j = 0; j < full; j += P) {
+                a = ei::pmadd(ei::ploadu<Pk>(qm + j), load_widened<T>(k + j), a);
+              }
+              // The overlapping last packet, its repeated lanes zeroed in the key (zero
+              // bits: an infinite key element there must not become a NaN).
+              if (skip > 0) {
+                const Pk kp = zero_first<T>(load_widened<T>(k + r - P), skip);
+                a = ei::pmadd(ei::ploadu<Pk>(qm + r - P), kp, a);
+              }
+            }
+            dots[m] = a;
+          }
+          block.packet[b] = ei::padd(block.packet[b], sum_lanes<T>(dots));
+        }
+        ei::ptranspose(block);
+        for (Index m = 0; m < heads; ++m) ei::pstoreu(logits + (h0 + m) * ld + t0, block.packet[m]);
+      }
+    }
+  }
+  if (prefetch != nullptr) prefetch->finish();
+}
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+}  // namespace kvattn::detail
