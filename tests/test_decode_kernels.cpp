@@ -21,6 +21,7 @@
 #include "kvattn/attention/mla.hpp"
 #include "kvattn/core/simd.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
+#include "kvattn/detail/lrkv_kernels.hpp"
 #include "kvattn/detail/split_attention.hpp"
 #include "kvattn/reference/gqa.hpp"
 #include "kvattn/reference/lrkv.hpp"
@@ -161,6 +162,65 @@ TEST_CASE("score_rows of many query rows equals a plain loop", "[kernels]") {
         check_score<float>(G, dk, n, false, false);
         check_score<float>(G, dk, n, false, true);
         check_score<Eigen::bfloat16>(G, dk, n, false, false);
+      }
+    }
+  }
+}
+
+// LRKV's own score kernel (shared part with the heads in the lanes, residual slices
+// reduced P heads at a time, then transposed): logits of head h at token t = q_h .
+// k~_s,t + q~_h . r~_h,t, against a plain loop in double. Widths and head counts around
+// the packet sizes, ranks with and without an overlapping last packet.
+template <class S>
+void check_lrkv_score(Index H, Index dh, Index r, Index n) {
+  constexpr Index P = detail::packet_size<float>;
+  if (r < P) return;  // lrkv_score's precondition (the layer uses score_rows below it)
+  const Index hp = (H + P - 1) / P * P;
+  const Index stride = dh + H * r + 3;
+  const Index ld = (n + P - 1) / P * P;
+  const auto q = random_values<float>(H * dh, 11 + static_cast<std::uint64_t>(H * dh));
+  const auto q_latent = random_values<float>(H * r, 12 + static_cast<std::uint64_t>(r));
+  const auto rows = random_values<S>(n * stride, 13 + static_cast<std::uint64_t>(n));
+  std::vector<float> query_t(static_cast<std::size_t>(dh * hp), 0.0f);
+  for (Index h = 0; h < H; ++h) {
+    for (Index j = 0; j < dh; ++j) {
+      query_t[static_cast<std::size_t>(j * hp + h)] = q[static_cast<std::size_t>(h * dh + j)];
+    }
+  }
+  std::vector<float> logits(static_cast<std::size_t>(H * ld), 0.0f);
+  detail::lrkv_score(query_t.data(), hp, q_latent.data(), H, dh, r, rows.data(), stride, n,
+                     logits.data(), ld);
+  auto element = [&](Index t, Index c) {
+    return static_cast<double>(static_cast<float>(rows[static_cast<std::size_t>(t * stride + c)]));
+  };
+  for (Index h = 0; h < H; ++h) {
+    for (Index t = 0; t < n; ++t) {
+      double want = 0.0, scale = 0.0;
+      for (Index j = 0; j < dh; ++j) {
+        const double p =
+            static_cast<double>(q[static_cast<std::size_t>(h * dh + j)]) * element(t, j);
+        want += p;
+        scale += std::abs(p);
+      }
+      for (Index j = 0; j < r; ++j) {
+        const double p = static_cast<double>(q_latent[static_cast<std::size_t>(h * r + j)]) *
+                         element(t, dh + h * r + j);
+        want += p;
+        scale += std::abs(p);
+      }
+      const double got = logits[static_cast<std::size_t>(h * ld + t)];
+      CAPTURE(H, dh, r, n, h, t, got, want);
+      REQUIRE(close(got, want, dh + r, scale));
+    }
+  }
+}
+
+TEST_CASE("lrkv_score equals a plain loop", "[kernels][lrkv]") {
+  for (const Index H : {1, 5, 16, 17, 32, 40}) {
+    for (const Index dh : {3, 16, 128}) {
+      for (const Index r : {8, 16, 54, 70}) {
+        for (const Index n : {1, 7, 16, 17, 40}) check_lrkv_score<float>(H, dh, r, n);
+        check_lrkv_score<Eigen::bfloat16>(H, dh, r, 23);
       }
     }
   }
