@@ -14,8 +14,8 @@
 //                    one accumulator packet per (row, token) in flight (12 on
 //                    16-register ISAs, 16 on 32-register ones, 24 for 4 rows there:
 //                    enough independent FMA chains to cover the FMA latency), so a query
-//                    packet serves B tokens
-//                    and a key packet M rows; a block's dot products are reduced
+//                    packet serves B tokens and a key packet M rows; a block's dot
+//                    products are reduced
 //                    together, P at a time, by one transpose-and-add (sum_lanes), never
 //                    one horizontal sum per token. The tile is read front to back, one
 //                    sequential stream, which the caller's Prefetcher runs ahead of.
@@ -74,10 +74,6 @@ inline constexpr int kShared = 0;
 inline constexpr int kSegmented = 1;
 inline constexpr int kPaired = 2;
 
-// One score block: rows [0, M) of q (row stride q_stride, dk wide, dk >= P) against the
-// B adjacent tokens t0 ... t0 + B - 1 of k (tokens past n re-read the last row, never
-// memory past the tile, and their sums are dropped). Row m reads k + m * seg when
-// Segmented. out (row stride ld) is the logits of row 0 at token t0.
 // Tokens of a score block read together, column packet by column packet, before the
 // next ones: all B, except for a single query row against shared keys (MHA), where
 // every FMA needs a key load of its own and B = 16 rows read side by side spread the
@@ -86,6 +82,10 @@ constexpr int score_sub_block(int M, int B, int Layout) {
   return M == 1 && Layout == kShared && B % 4 == 0 ? 4 : B;
 }
 
+// One score block: rows [0, M) of q (row stride q_stride, dk wide, dk >= P) against the
+// B adjacent tokens t0 ... t0 + B - 1 of k (tokens past n re-read the last row, never
+// memory past the tile, and their sums are dropped). Row m reads k + m * seg when
+// Segmented. out (row stride ld) is the logits of row 0 at token t0.
 template <class T, class S, int M, int B, int Layout>
 inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index k_stride, Index seg,
                         Index t0, Index n, T* out, Index ld, bool add, Prefetcher* prefetch,
@@ -211,7 +211,7 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
 inline constexpr int kScoreLanes4 = many_registers ? 6 : kBlockAccumulators / 4;
 
 // Lanes per score block for a call over G rows: every block of the call uses the same
-// B (the first block's, kBlockAccumulators / its rows), so all share one lane layout.
+// B (the first block's), so all share one lane layout.
 constexpr int score_lanes(Index G) {
   return block_rows(G) == 4 ? kScoreLanes4 : kBlockAccumulators / block_rows(G);
 }
