@@ -112,8 +112,10 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
       qp[m] = ei::ploadu<Packet<T>>(q + m * q_stride + j);
       if (skip > 0) qp[m] = zero_first<T>(qp[m], skip);
     }
+    // A constant trip count (Clang unrolls only those, and -Werror reports the rest).
     KVATTN_UNROLL
-    for (int b = b0; b < b0 + Sub; ++b) {
+    for (int s = 0; s < Sub; ++s) {
+      const int b = b0 + s;
       if constexpr (Segmented) {
         KVATTN_UNROLL
         for (int m = 0; m < M; ++m) {
