@@ -41,10 +41,10 @@ struct CausalShape {
 /// One thread's scratch; fit() allocates, the driver never does.
 template <class T>
 struct CausalScratch {
-  RowMatrix<T> scores;                            // tile x tile
-  RowMatrix<T> acc;                               // tile x acc_width
-  RowMatrix<T> buffer;                            // tile x buffer_width
-  RowVector<T> running_max, normalizer, rescale;  // tile
+  RowMatrix<T> scores;                   // tile x tile
+  RowMatrix<T> acc;                      // tile x acc_width
+  RowMatrix<T> buffer;                   // tile x buffer_width
+  RowVector<T> running_max, normalizer;  // tile
 
   void fit(const CausalShape& shape) {
     reshape(scores, kPrefillTile, kPrefillTile);
@@ -52,7 +52,6 @@ struct CausalScratch {
     reshape(buffer, kPrefillTile, shape.buffer_width);
     reshape(running_max, kPrefillTile);
     reshape(normalizer, kPrefillTile);
-    reshape(rescale, kPrefillTile);
   }
 };
 
@@ -68,14 +67,12 @@ void causal_query_tile(const CausalShape& shape, CausalScratch<T>& scratch, cons
                        Index q0, Index nq, T* out, Index out_stride, const T* sink = nullptr) {
   constexpr Index tile = kPrefillTile;
   constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-  using Pk = Packet<T>;
   constexpr Index P = packet_size<T>;
   static_assert(tile % P == 0, "a tile's logits row is whole packets");
   const AttentionSpan& span = shape.span;
   auto& acc = scratch.acc;
   auto& running_max = scratch.running_max;
   auto& normalizer = scratch.normalizer;
-  auto& rescale = scratch.rescale;
   T* buffer = shape.buffer_width > 0 ? scratch.buffer.data() : nullptr;
   const Index width = shape.acc_width;
   const Index first_query = shape.past + q0;  // position of row 0
@@ -107,33 +104,12 @@ void causal_query_tile(const CausalShape& shape, CausalScratch<T>& scratch, cons
         visible_run(r, k0, nk, lo, hi);
         whole_tile = whole_tile && lo == 0 && hi == nk;
         if (softcap > T(0) && hi > lo) cap_logits(row + lo, hi - lo, softcap);
-        // Invisible keys and the padding to whole packets -inf (weight exactly 0), then
-        // the max and the exponentials a packet at a time (the scalar std::exp loop was
-        // 8% of a GQA prefill's samples).
+        // Invisible keys and the padding to whole packets -inf (weight exactly 0).
         const Index begin = std::min(lo, nk), end = std::clamp(hi, begin, nk);
         std::fill(row, row + begin, neg_inf);
         std::fill(row + end, row + n_pad, neg_inf);
-        Pk maxes = ei::pset1<Pk>(neg_inf);
-        for (Index c = 0; c < n_pad; c += P) maxes = ei::pmax(maxes, ei::ploadu<Pk>(row + c));
-        const T new_max = std::max(running_max(r), ei::predux_max(maxes));
-        if (new_max == neg_inf) {  // no visible key in this tile yet
-          rescale(r) = T(1);
-          std::fill(row, row + nk, T(0));
-          continue;
-        }
-        rescale(r) = softmax_exp(running_max(r) - new_max);  // exp(-inf) = 0
-        const Pk shift = ei::pset1<Pk>(new_max);
-        Pk sums = ei::pset1<Pk>(T(0));
-        for (Index c = 0; c < n_pad; c += P) {
-          const Pk w = softmax_exp<T>(ei::psub(ei::ploadu<Pk>(row + c), shift));
-          ei::pstoreu(row + c, w);
-          sums = ei::padd(sums, w);
-        }
-        const T row_sum = ei::predux(sums);
-        normalizer(r) = normalizer(r) * rescale(r) + row_sum;
-        running_max(r) = new_max;
+        softmax_tile_row(row, n_pad, running_max(r), normalizer(r), acc.row(r).data(), width);
       }
-      for (Index r = 0; r < nq; ++r) acc.row(r) *= rescale(r);
       if (whole_tile) {
         ops.accumulate(q0, nq, k0, nk, s, tile, acc.data(), width, buffer);
       } else {

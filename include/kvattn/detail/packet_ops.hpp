@@ -299,6 +299,59 @@ inline T softmax_exp(T x) {
   return x < lowest ? T(0) : std::exp(x);
 }
 
+/// One query row's online-softmax update for a tile (Milakov & Gimelshein; FlashAttention):
+/// s (n_pad logits, the padding past the tile -inf) becomes the weights
+/// exp(s - m_new), `sum` and the row's accumulator are rescaled by exp(m_old - m_new),
+/// and the weights are added to `sum`. A NaN or +inf logit poisons the row (the sum
+/// becomes NaN, as softmax_inplace gives for such a row) instead of being dropped;
+/// -inf logits get weight exactly 0.
+template <class T>
+inline void softmax_tile_row(T* s, Index n_pad, T& max, T& sum, T* acc, Index width) {
+  using Pk = Packet<T>;
+  constexpr Index P = packet_size<T>;
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  Pk m0 = ei::pset1<Pk>(neg_inf), m1 = m0;
+  Index t = 0;
+  for (; t + 2 * P <= n_pad; t += 2 * P) {
+    m0 = ei::pmax(m0, ei::ploadu<Pk>(s + t));
+    m1 = ei::pmax(m1, ei::ploadu<Pk>(s + t + P));
+  }
+  for (; t < n_pad; t += P) m0 = ei::pmax(m0, ei::ploadu<Pk>(s + t));
+  // pmax may drop a NaN; the NaN then reaches the sum through its own exp below.
+  const T tile_max = ei::predux_max(ei::pmax(m0, m1));
+  const T old_max = max;
+  const T new_max = std::max(old_max, tile_max);
+  // The shift of the tile's exponentials: 0 while every logit so far is -inf (nothing
+  // visible yet: the weights stay 0 instead of exp(-inf + inf) = NaN).
+  const T shift = new_max == neg_inf ? T(0) : new_max;
+  if (old_max != neg_inf && new_max != old_max) {
+    const T scale = softmax_exp(old_max - new_max);  // NaN (row poisoned) stays NaN
+    sum *= scale;
+    Eigen::Map<RowVector<T>>(acc, width) *= scale;
+  }
+  max = new_max;
+  const Pk shift_p = ei::pset1<Pk>(shift);
+  Pk s0 = ei::pset1<Pk>(T(0)), s1 = s0;
+  t = 0;
+  for (; t + 2 * P <= n_pad; t += 2 * P) {
+    const Pk p0 = softmax_exp<T>(ei::psub(ei::ploadu<Pk>(s + t), shift_p));
+    const Pk p1 = softmax_exp<T>(ei::psub(ei::ploadu<Pk>(s + t + P), shift_p));
+    ei::pstoreu(s + t, p0);
+    ei::pstoreu(s + t + P, p1);
+    s0 = ei::padd(s0, p0);
+    s1 = ei::padd(s1, p1);
+  }
+  for (; t < n_pad; t += P) {
+    const Pk p0 = softmax_exp<T>(ei::psub(ei::ploadu<Pk>(s + t), shift_p));
+    ei::pstoreu(s + t, p0);
+    s0 = ei::padd(s0, p0);
+  }
+  sum += ei::predux(ei::padd(s0, s1));
+  // A row of NaN logits has max -inf (pmax drops NaN) and would read as "no visible
+  // key" in the merge, which outputs zeros: give it a finite max so the NaN sum shows.
+  if (std::isnan(sum) && max == neg_inf) max = T(0);
+}
+
 /// Asks for the cache line at p to be brought into the cache hierarchy (a hint: no
 /// fault, no effect on results).
 EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
