@@ -49,7 +49,9 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
   if (prefetch != nullptr) {
     const Index token_blocks = (n + TB - 1) / TB;
     const Index head_pairs = (hp / P + 1) / 2;
-    prefetch->plan(token_blocks * head_pairs * dh);
+    // One step per shared-key element of each block and per residual dot product: the
+    // prefetches spread over the whole pass, not bunched into its shared part.
+    prefetch->plan(token_blocks * head_pairs * dh + n * H);
   }
   for (Index t0 = 0; t0 < n; t0 += P) {
     for (Index c0 = 0; c0 < hp; c0 += 2 * P) {
@@ -98,6 +100,7 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
           for (int m = 0; m < P; ++m) {
             Pk a = ei::pset1<Pk>(T(0));
             if (m < heads) {
+              if (prefetch != nullptr) prefetch->step();
               const S* k = row + m * r;
               const T* qm = q + m * r;
               for (Index j = 0; j < full; j += P) {
