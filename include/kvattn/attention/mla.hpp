@@ -327,7 +327,7 @@ class MlaLayer {
     const int thread_count = threads.resolved();
     auto plan = prepare(ws, cache.sequence_length() + 1, thread_count);
     plan.segment = detail::cache_segment(cache);
-    project_token(x, cache.sequence_length(), ws);
+    project_token(x, cache.sequence_length(), ws, thread_count);
     if constexpr (detail::is_quantized_storage<typename Cache::storage_type>) {
       detail::require_finite(where, "the new token's latent", ws.latent);
       detail::require_finite(where, "the new token's rope key", ws.rope_key);
@@ -625,18 +625,18 @@ class MlaLayer {
   }
 
   // The same for one token into the workspace (no allocation).
-  void project_token(const ConstMatrixRef<T>& x, Index index, Workspace& ws) const {
+  void project_token(const ConstMatrixRef<T>& x, Index index, Workspace& ws, int threads) const {
     const MlaConfig& c = config_;
     if (c.q_rank > 0) {
-      ws.q_latent.noalias() = x * weights_.w_dq;
+      detail::parallel_product(x, weights_.w_dq, ws.q_latent, threads);
       if (c.q_norm) {
         rms_norm_inplace(ws.q_latent.data(), c.q_rank, weights_.q_norm_gain.data(), c.norm_epsilon);
       }
-      ws.query.noalias() = ws.q_latent * weights_.w_uq;
+      detail::parallel_product(ws.q_latent, weights_.w_uq, ws.query, threads);
     } else {
-      ws.query.noalias() = x * weights_.w_q;
+      detail::parallel_product(x, weights_.w_q, ws.query, threads);
     }
-    ws.latent.noalias() = x * weights_.w_dkv;
+    detail::parallel_product(x, weights_.w_dkv, ws.latent, threads);
     if (c.kv_norm) {
       rms_norm_inplace(ws.latent.data(), c.kv_rank, weights_.kv_norm_gain.data(), c.norm_epsilon);
     }
