@@ -4,9 +4,11 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "kvattn/core/mask.hpp"
 #include "kvattn/core/softmax.hpp"
+#include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/reference/dense_attention.hpp"
 #include "test_util.hpp"
 
@@ -52,6 +54,52 @@ TEST_CASE("softmax edge cases: fully masked row gives zeros, NaN propagates", "[
   CHECK(with_nan.array().isNaN().all());
   RowVector<double> empty(0);
   softmax_inplace(empty.data(), 0);  // no-op, no crash
+}
+
+// The prefill driver (detail/causal_attention.hpp) with given logits and values: the
+// sink token's tile comes first, alone. Its logit NaN must poison every row that sees
+// it, as in decode (softmax_tile_row); a copy of the tile softmax dropped such a first
+// tile as "nothing visible" and gave finite rows.
+TEST_CASE("prefill: a NaN logit in a tile of its own poisons its row", "[reliability]") {
+  constexpr Index n = 6, width = 2;
+  struct Ops {
+    const double* logits;  // n x n, row = query position, column = key
+    void score(Index q0, Index nq, Index k0, Index nk, double* s, Index stride, double*) const {
+      for (Index i = 0; i < nq; ++i)
+        for (Index j = 0; j < nk; ++j) s[i * stride + j] = logits[(q0 + i) * n + k0 + j];
+    }
+    void accumulate(Index, Index nq, Index k0, Index nk, const double* w, Index stride, double* acc,
+                    Index acc_stride, double*) const {
+      for (Index i = 0; i < nq; ++i)
+        for (Index j = 0; j < nk; ++j)
+          for (Index d = 0; d < width; ++d)
+            acc[i * acc_stride + d] += w[i * stride + j] * double(k0 + j + d);  // value rows
+    }
+  };
+  std::vector<double> logits(n * n, 0.25);
+  for (Index i = 0; i < n; ++i) logits[i * n] = std::numeric_limits<double>::quiet_NaN();
+  detail::CausalShape shape;
+  shape.acc_width = width;
+  shape.span.window = 2;  // each row sees the sink token 0, itself and the token before
+  shape.span.sink_tokens = 1;
+  detail::CausalScratch<double> scratch;
+  scratch.fit(shape);
+  std::vector<double> out(n * width, 0.0);
+  detail::causal_query_tile(shape, scratch, Ops{logits.data()}, 0, n, out.data(), width);
+  for (Index i = 0; i < n * width; ++i) {
+    CAPTURE(i);
+    REQUIRE(std::isnan(out[i]));
+  }
+  // Without the NaN: equal weights over the visible keys {0, i - 1, i} (hand-derived mean).
+  std::fill(logits.begin(), logits.end(), 0.25);
+  detail::causal_query_tile(shape, scratch, Ops{logits.data()}, 0, n, out.data(), width);
+  for (Index i = 0; i < n; ++i) {
+    const double mean_key = i == 0 ? 0.0 : i == 1 ? 0.5 : (0.0 + (i - 1) + i) / 3.0;
+    for (Index d = 0; d < width; ++d) {
+      CAPTURE(i, d);
+      REQUIRE(out[i * width + d] == Approx(mean_key + d).epsilon(1e-14));
+    }
+  }
 }
 
 TEST_CASE("masks: causal, bidirectional and a sliding window of W tokens", "[reliability]") {
