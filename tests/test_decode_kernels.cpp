@@ -2,7 +2,8 @@
 // the split online-softmax driver (detail/split_attention.hpp) against plain loops in
 // double, at awkward sizes (1, 3, 54, 59, 111, 127, 129: below a packet, tails of every
 // length, several register blocks), with shared and per-row (segmented) columns, fp32
-// and bf16 storage; and the driver's NaN / +inf / -inf rules.
+// and bf16 storage; and the driver's NaN / +inf / -inf rules. Also the batch product
+// (detail/batch_product.hpp) that projects a decode_batch's few rows.
 //
 // The same file is built once more per instruction-set level (test_decode_kernels_avx2
 // with -mavx2 -mfma, test_decode_kernels_avx512 with -march=x86-64-v4): such a binary
@@ -20,6 +21,8 @@
 #include "kvattn/attention/lrkv.hpp"
 #include "kvattn/attention/mla.hpp"
 #include "kvattn/core/simd.hpp"
+#include "kvattn/core/threads.hpp"
+#include "kvattn/detail/batch_product.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/lrkv_kernels.hpp"
 #include "kvattn/detail/split_attention.hpp"
@@ -505,6 +508,66 @@ TEST_CASE("Prefetcher stays inside its range and spreads it over the planned ste
   none.step();
   none.finish();
   CHECK(none.next == none.end);
+}
+
+namespace {
+
+// batch_product (x W for a few rows) against a plain loop in double, every element, with
+// strides wider than the rows; and detail::parallel_product, which sends 2-64 rows to it,
+// over row-major blocks and two threads.
+template <class T>
+void check_batch_product(Index B, Index d, Index n) {
+  const Index ldx = d + 3, ldw = n + 5, ldo = n + 2;
+  const auto x = random_values<T>(B * ldx, 11 + static_cast<std::uint64_t>(B));
+  const auto w = random_values<T>(std::max<Index>(d, 1) * ldw, 12 + static_cast<std::uint64_t>(n));
+  auto out = random_values<T>(B * ldo, 13);  // garbage: every element must be written
+  const auto before = out;
+  detail::batch_product(x.data(), ldx, B, d, w.data(), ldw, n, out.data(), ldo);
+  const double eps = std::numeric_limits<T>::epsilon();
+  for (Index b = 0; b < B; ++b) {
+    for (Index j = 0; j < ldo; ++j) {
+      const double got = out[static_cast<std::size_t>(b * ldo + j)];
+      if (j >= n) {  // the padding past n is not written
+        CHECK(got == before[static_cast<std::size_t>(b * ldo + j)]);
+        continue;
+      }
+      double want = 0.0, scale = 0.0;
+      for (Index k = 0; k < d; ++k) {
+        const double p = static_cast<double>(x[static_cast<std::size_t>(b * ldx + k)]) *
+                         static_cast<double>(w[static_cast<std::size_t>(k * ldw + j)]);
+        want += p;
+        scale += std::abs(p);
+      }
+      if (std::abs(got - want) > 4 * eps * static_cast<double>(d + 1) * scale + 1e-300) {
+        CAPTURE(B, d, n, b, j, got, want);
+        FAIL("batch_product differs from the plain loop");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("batch_product equals a plain loop", "[kernels][batch_product]") {
+  // Rows: 1 to 9 (register blocks of 4 and every remainder), 17 and 64 (the most it
+  // takes); depths around its chunks (8 and 64 rows) and 0 (an empty sum); columns below
+  // a packet, with tails, and past the column panels (e.g. 64 rows: 128 columns a panel).
+  for (const Index B : {1, 2, 3, 4, 5, 7, 9, 17, 64}) {
+    for (const Index d : {0, 1, 7, 9, 65, 130}) {
+      for (const Index n : {3, 16, 37, 64, 200, 531}) {
+        check_batch_product<float>(B, d, n);
+      }
+    }
+  }
+  check_batch_product<double>(5, 65, 37);
+  check_batch_product<double>(17, 9, 200);
+  // parallel_product: columns split over two threads, each half a row-major block.
+  const RowMatrix<float> x = test::random_input<float>(6, 70, 21);
+  const RowMatrix<float> w = test::random_input<float>(70, 300, 22);
+  RowMatrix<float> out(6, 300);
+  detail::parallel_product(x, w, out, 2);
+  const Eigen::MatrixXd want = x.cast<double>() * w.cast<double>();
+  CHECK((out.cast<double>() - want).cwiseAbs().maxCoeff() <= 1e-4 * want.cwiseAbs().maxCoeff());
 }
 
 namespace {

@@ -7,6 +7,7 @@
 
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/batch_product.hpp"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -89,20 +90,21 @@ void parallel_for(Index n, int threads, F&& f) {
 }
 
 /// out = a * b with b's columns split over `threads` threads (Eigen's own products
-/// stay serial under kvattn: EIGEN_DONT_PARALLELIZE). out must be a.rows() x b.cols().
+/// stay serial under kvattn: EIGEN_DONT_PARALLELIZE); a few rows of a take
+/// detail::batch_product (batch_product.hpp). out must be a.rows() x b.cols().
 template <class A, class B, class Out>
 void parallel_product(const A& a, const B& b, Out&& out, int threads) {
   const Index cols = b.cols();
   const Index blocks = threads > 1 ? std::min<Index>(threads, std::max<Index>(1, cols / 64)) : 1;
   if (blocks <= 1) {
-    out.noalias() = a * b;
+    product(a, b, out);
     return;
   }
   const Index per_block = (cols + blocks - 1) / blocks;
   parallel_for(blocks, threads, [&](Index k) {
     const Index first = k * per_block;
     const Index count = std::min(per_block, cols - first);
-    if (count > 0) out.middleCols(first, count).noalias() = a * b.middleCols(first, count);
+    if (count > 0) product(a, b.middleCols(first, count), out.middleCols(first, count));
   });
 }
 
