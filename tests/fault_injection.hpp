@@ -149,6 +149,13 @@ void* operator new[](std::size_t size, std::align_val_t alignment, const std::no
   return kvattn::test::fault::allocate_aligned(size, alignment,
                                                "operator new[](size_t, align_val_t, nothrow_t)");
 }
+// GCC 12 inlines these into a caller that allocated with operator new (std::make_shared of
+// a PagePool, say) and then takes the free() for a mismatched deallocation; every
+// operator new above allocates with malloc / aligned_alloc, which free() releases.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
@@ -161,3 +168,6 @@ void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::fre
 void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif

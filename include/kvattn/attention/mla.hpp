@@ -689,15 +689,20 @@ class MlaLayer {
     b.fit(batch * c.n_heads, threads);
   }
 
-  // Room for one more token in every cache (all or none, see detail::grow_all).
+  // Room for one more token in every cache (all or none, see detail::grow_all). A paged
+  // cache takes its page only once every cache has one (detail::PagedRows::stage_token).
   template <class Cache>
   static void grow_batch(std::span<Cache* const> caches) {
-    detail::grow_all(
-        caches, [](Cache& cache) { cache.grow_for(cache.sequence_length() + 1); },
-        [](Cache& cache) {
-          if constexpr (requires { cache.page_tokens(); })
-            cache.rows_.truncate(cache.sequence_length());
-        });
+    if constexpr (requires(Cache & cache) { cache.page_tokens(); }) {
+      detail::grow_all(
+          caches, [](Cache& cache) { cache.rows_.stage_token(); },
+          [](Cache& cache) { cache.rows_.unstage(); });
+      for (Cache* cache : caches) cache->rows_.apply_staged();
+    } else {
+      detail::grow_all(
+          caches, [](Cache& cache) { cache.grow_for(cache.sequence_length() + 1); },
+          [](Cache&) {});  // a contiguous cache keeps the capacity it grew
+    }
   }
 
   // All heads against a tile of cached rows [c_t | k_R,t] (one group: every head

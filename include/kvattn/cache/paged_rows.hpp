@@ -92,7 +92,10 @@ class PagedRows {
     return *this;
   }
   PagedRows(PagedRows&& other) noexcept { swap(other); }
-  ~PagedRows() { release_from(0); }
+  ~PagedRows() {
+    unstage();
+    release_from(0);
+  }
 
   void swap(PagedRows& other) noexcept {
     std::swap(pool_, other.pool_);
@@ -103,6 +106,7 @@ class PagedRows {
     std::swap(dropped_, other.dropped_);
     std::swap(first_kept_, other.first_kept_);
     std::swap(tokens_, other.tokens_);
+    std::swap(staged_, other.staged_);
   }
 
   const PagePool& pool() const { return *pool_; }
@@ -205,6 +209,50 @@ class PagedRows {
     }
   }
 
+  /// The first of two phases of appending one token, for a batch of sequences that must
+  /// all get their pages before any of them changes (decode_batch: stage_token on each in
+  /// turn, unstage on those staged when one fails, else apply_staged on each). Acquires
+  /// the page the token needs, if any: a new page past the table's end (with room in the
+  /// table), or a private copy of the shared page the token is written into; and sets it
+  /// aside, the table and the pages held unchanged. All or nothing (std::bad_alloc,
+  /// pool_exhausted). Nothing else may change the rows until apply_staged or unstage.
+  /// (prepare_append(1) at once would let a shared page go: after a later sequence's
+  /// failure the page could not be taken back, as another thread may have freed it since.)
+  /// Forks in one batch that share a page no other sequence holds each stage a copy of it
+  /// (prepare_append one after the other would copy it for all but the last): the last
+  /// one's release frees the shared page, so as many pages are held after the step, but
+  /// the step needs one more free page while it runs.
+  void stage_token() {
+    const Index slot = slot_of(tokens_ / layout_.page_tokens);
+    if (slot < pages()) {
+      if (pool_->use_count(table_[static_cast<std::size_t>(slot)]) <= 1) return;  // its own
+    } else {
+      table_.reserve(table_.size() + 1);  // may throw: before the page
+    }
+    staged_ = pool_->acquire();
+  }
+
+  /// Takes the page stage_token set aside into the table (never throws): a new page at
+  /// the table's end, or the copy in place of the shared page.
+  void apply_staged() noexcept {
+    if (staged_ < 0) return;
+    const Index page = std::exchange(staged_, Index{-1});
+    const auto slot = static_cast<std::size_t>(slot_of(tokens_ / layout_.page_tokens));
+    if (slot == table_.size()) {
+      table_.push_back(page);  // room reserved by stage_token
+      return;
+    }
+    Index& entry = table_[slot];
+    std::copy_n(pool_->data(entry), pool_->page_bytes(), pool_->data(page));
+    pool_->release(entry);
+    entry = page;
+  }
+
+  /// Returns the page stage_token set aside to the pool (never throws).
+  void unstage() noexcept {
+    if (staged_ >= 0) pool_->release(std::exchange(staged_, Index{-1}));
+  }
+
   /// Writable row t of block b; prepare_append must have made its page private.
   template <class S>
   S* writable_row(Index block, Index t) {
@@ -268,6 +316,7 @@ class PagedRows {
   Index dropped_ = 0;     // pages after the sink pages returned to the pool
   Index first_kept_ = 0;  // see held_tokens()
   Index tokens_ = 0;
+  Index staged_ = -1;  // the page stage_token set aside (-1: none); not copied
 };
 
 }  // namespace kvattn::detail
