@@ -254,16 +254,15 @@ void check_layer(const std::string& name, const Layer& layer, Threads threads, R
   const std::string label = name + " " + detail::storage_name<S>();
   CHECK(check_every_allocation_failure(label + " prefill", layer, start, threads,
                                        [&](Cache& c, Workspace&) { prefill(c, x, threads); }) > 0);
-  CHECK(check_every_allocation_failure(label + " decode", layer, start, threads,
-                                       [&](Cache& c, Workspace& ws) {
-                                         RowMatrix<T> out(1, d);
-                                         layer.decode(x.topRows(1), c, out, ws, threads);
-                                       }) > 0);
-  CHECK(check_every_allocation_failure(label + " attend", layer, start, threads,
-                                       [&](Cache& c, Workspace& ws) {
-                                         RowMatrix<T> heads(1, layer.heads_width());
-                                         layer.attend(query, c, heads, ws, threads);
-                                       }) > 0);
+  // The outputs are made before arming, so every allocation counted is the call's own
+  // (and "> 0" says the call allocated at all: its workspace starts unsized).
+  RowMatrix<T> out(1, d), heads(1, layer.heads_width());
+  CHECK(check_every_allocation_failure(
+            label + " decode", layer, start, threads,
+            [&](Cache& c, Workspace& ws) { layer.decode(x.topRows(1), c, out, ws, threads); }) > 0);
+  CHECK(check_every_allocation_failure(
+            label + " attend", layer, start, threads,
+            [&](Cache& c, Workspace& ws) { layer.attend(query, c, heads, ws, threads); }) > 0);
   const auto rows = rows_of(3);
   CHECK(check_every_allocation_failure(label + " append", layer, start, threads,
                                        [&](Cache& c, Workspace&) { c.append(rows); }) > 0);

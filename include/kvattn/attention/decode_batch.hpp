@@ -49,18 +49,27 @@ void check_batch_caches(const char* where, std::span<Cache* const> caches) {
   }
 }
 
-/// grow(cache) for every cache in turn; when one throws, give_back(cache) for those grown
-/// before it (a paged cache returns the pages it took), then rethrows.
-template <class Cache, class Grow, class GiveBack>
-void grow_all(std::span<Cache* const> caches, Grow grow, GiveBack give_back) {
-  std::size_t grown = 0;
-  try {
-    for (; grown < caches.size(); ++grown) grow(*caches[grown]);
-  } catch (...) {
-    for (std::size_t i = 0; i < grown; ++i) give_back(*caches[i]);
-    throw;
+/// Room for one more token in every cache of a decode_batch, all or none: a contiguous
+/// cache grows its buffers (and keeps the capacity when a later cache fails); a paged
+/// cache takes its page only once every cache has one (detail::PagedRows::stage_token),
+/// so a failure gives every page back and leaves each block table as it was.
+struct BatchGrowth {
+  template <class Cache>
+  static void grow(std::span<Cache* const> caches) {
+    if constexpr (requires(Cache & cache) { cache.page_tokens(); }) {
+      std::size_t staged = 0;
+      try {
+        for (; staged < caches.size(); ++staged) caches[staged]->rows_.stage_token();
+      } catch (...) {
+        for (std::size_t i = 0; i < staged; ++i) caches[i]->rows_.unstage();
+        throw;
+      }
+      for (Cache* cache : caches) cache->rows_.apply_staged();
+    } else {
+      for (Cache* cache : caches) cache->grow_for(cache->sequence_length() + 1);
+    }
   }
-}
+};
 
 }  // namespace detail
 }  // namespace kvattn

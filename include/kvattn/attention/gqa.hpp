@@ -422,7 +422,7 @@ class GqaLayer {
       detail::require_finite(where, "the new tokens' keys", ws.batch_key);
       detail::require_finite(where, "the new tokens' values", ws.batch_value);
     }
-    grow_batch(caches);
+    detail::BatchGrowth::grow(caches);
     // Everything that may throw is done; from here the step cannot fail.
     for (Index s = 0; s < batch; ++s) {
       caches[static_cast<std::size_t>(s)]->append_token(ws.batch_key.row(s), ws.batch_value.row(s));
@@ -636,22 +636,6 @@ class GqaLayer {
     b.sinks = sink_logits();
     b.heads = config_.n_heads;
     b.fit(batch * config_.n_heads, threads);
-  }
-
-  // Room for one more token in every cache (all or none, see detail::grow_all). A paged
-  // cache takes its page only once every cache has one (detail::PagedRows::stage_token).
-  template <class Cache>
-  static void grow_batch(std::span<Cache* const> caches) {
-    if constexpr (requires(Cache & cache) { cache.page_tokens(); }) {
-      detail::grow_all(
-          caches, [](Cache& cache) { cache.rows_.stage_token(); },
-          [](Cache& cache) { cache.rows_.unstage(); });
-      for (Cache* cache : caches) cache->rows_.apply_staged();
-    } else {
-      detail::grow_all(
-          caches, [](Cache& cache) { cache.grow_for(cache.sequence_length() + 1); },
-          [](Cache&) {});  // a contiguous cache keeps the capacity it grew
-    }
   }
 
   // Every sequence's query rows of KV group g, stacked (B * group_size rows of d_h per

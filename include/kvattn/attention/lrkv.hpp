@@ -447,13 +447,13 @@ class LrkvLayer {
     const Index r = config_.rank;
     const Index hr = H * r;
     const Index dr = config_.decoupled_dim();
-    ws.batch_key.leftCols(dh).noalias() = x * weights_.w_k_shared;
+    detail::product(x, weights_.w_k_shared, ws.batch_key.leftCols(dh));
     detail::parallel_product(x, weights_.u_k, ws.batch_key.middleCols(dh, hr), thread_count);
-    ws.batch_key.rightCols(dr).noalias() = x * weights_.w_kr;
-    ws.batch_value.leftCols(dh).noalias() = x * weights_.w_v_shared;
+    detail::product(x, weights_.w_kr, ws.batch_key.rightCols(dr));
+    detail::product(x, weights_.w_v_shared, ws.batch_value.leftCols(dh));
     detail::parallel_product(x, weights_.u_v, ws.batch_value.rightCols(hr), thread_count);
     detail::parallel_product(x, weights_.w_q, ws.batch_query, thread_count);
-    ws.batch_query_rope.noalias() = x * weights_.w_qr;
+    detail::product(x, weights_.w_qr, ws.batch_query_rope);
     for (Index s = 0; s < batch; ++s) {
       Cache& cache = *caches[static_cast<std::size_t>(s)];
       const double position =
@@ -467,7 +467,7 @@ class LrkvLayer {
       detail::require_finite(where, "the new tokens' keys", ws.batch_key);
       detail::require_finite(where, "the new tokens' values", ws.batch_value);
     }
-    grow_batch(caches);
+    detail::BatchGrowth::grow(caches);
     // Everything that may throw is done; from here the step cannot fail.
     for (Index s = 0; s < batch; ++s) {
       auto key = ws.batch_key.row(s);
@@ -701,22 +701,6 @@ class LrkvLayer {
     b.sinks = sink_logits();
     b.heads = H;
     b.fit(batch * H, threads);
-  }
-
-  // Room for one more token in every cache (all or none, see detail::grow_all). A paged
-  // cache takes its page only once every cache has one (detail::PagedRows::stage_token).
-  template <class Cache>
-  static void grow_batch(std::span<Cache* const> caches) {
-    if constexpr (requires(Cache & cache) { cache.page_tokens(); }) {
-      detail::grow_all(
-          caches, [](Cache& cache) { cache.rows_.stage_token(); },
-          [](Cache& cache) { cache.rows_.unstage(); });
-      for (Cache* cache : caches) cache->rows_.apply_staged();
-    } else {
-      detail::grow_all(
-          caches, [](Cache& cache) { cache.grow_for(cache.sequence_length() + 1); },
-          [](Cache&) {});  // a contiguous cache keeps the capacity it grew
-    }
   }
 
   // Every head against a tile of cached rows (one group: all heads share the rows).

@@ -506,7 +506,7 @@ class MlaLayer {
       detail::parallel_product(x, weights_.w_q, ws.batch_query, thread_count);
     }
     detail::parallel_product(x, weights_.w_dkv, ws.batch_latent, thread_count);
-    ws.batch_rope_key.noalias() = x * weights_.w_kr;
+    detail::product(x, weights_.w_kr, ws.batch_rope_key);
     for (Index s = 0; s < batch; ++s) {
       const Cache& cache = *caches[static_cast<std::size_t>(s)];
       if (c.kv_norm) {
@@ -521,7 +521,7 @@ class MlaLayer {
       detail::require_finite(where, "the new tokens' latents", ws.batch_latent);
       detail::require_finite(where, "the new tokens' rope keys", ws.batch_rope_key);
     }
-    grow_batch(caches);
+    detail::BatchGrowth::grow(caches);
     // Everything that may throw is done; from here the step cannot fail.
     for (Index s = 0; s < batch; ++s) {
       caches[static_cast<std::size_t>(s)]->append_token(ws.batch_latent.row(s),
@@ -553,8 +553,8 @@ class MlaLayer {
     detail::parallel_for(H, thread_count, [&](Index h) {
       const detail::ConstRowsMap<T> latent(ws.batch_latent_heads.data() + h * dc, batch, dc,
                                            Eigen::OuterStride<>(H * dc));
-      ws.batch_heads.middleCols(h * c.v_dim, c.v_dim).noalias() =
-          latent * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
+      detail::product(latent, weights_.w_uv.middleCols(h * c.v_dim, c.v_dim),
+                      ws.batch_heads.middleCols(h * c.v_dim, c.v_dim));
     });
     detail::parallel_product(ws.batch_heads, weights_.w_o, out, thread_count);
   }
@@ -687,22 +687,6 @@ class MlaLayer {
     b.sinks = sink_logits();
     b.heads = c.n_heads;
     b.fit(batch * c.n_heads, threads);
-  }
-
-  // Room for one more token in every cache (all or none, see detail::grow_all). A paged
-  // cache takes its page only once every cache has one (detail::PagedRows::stage_token).
-  template <class Cache>
-  static void grow_batch(std::span<Cache* const> caches) {
-    if constexpr (requires(Cache & cache) { cache.page_tokens(); }) {
-      detail::grow_all(
-          caches, [](Cache& cache) { cache.rows_.stage_token(); },
-          [](Cache& cache) { cache.rows_.unstage(); });
-      for (Cache* cache : caches) cache->rows_.apply_staged();
-    } else {
-      detail::grow_all(
-          caches, [](Cache& cache) { cache.grow_for(cache.sequence_length() + 1); },
-          [](Cache&) {});  // a contiguous cache keeps the capacity it grew
-    }
   }
 
   // All heads against a tile of cached rows [c_t | k_R,t] (one group: every head

@@ -124,6 +124,7 @@ class GqaCache {
 
  private:
   friend class GqaLayer<T>;
+  friend struct detail::BatchGrowth;
 
   static const GqaConfig& validated(const GqaConfig& config) {
     config.validate();

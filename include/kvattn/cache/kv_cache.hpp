@@ -47,6 +47,10 @@ concept KVCache = std::copyable<C> &&
 
 namespace detail {
 
+// Grows every cache of a decode_batch, all or none (attention/decode_batch.hpp); a friend
+// of each cache type.
+struct BatchGrowth;
+
 // Member-by-member checks, so a type that misses one member gets a message naming
 // it instead of a wall of template errors. Use: static_assert(check_kv_cache<C>()).
 template <class C>

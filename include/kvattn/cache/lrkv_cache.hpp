@@ -271,6 +271,7 @@ class LrkvCache {
 
  private:
   friend class LrkvLayer<T>;
+  friend struct detail::BatchGrowth;
 
   // Appends rows a layer computed (shapes checked by it; a NaN key RMS from a NaN input
   // is kept, so the bad input shows in the output). Strong exception guarantee.

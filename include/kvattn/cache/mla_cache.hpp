@@ -161,6 +161,7 @@ class MlaCache {
 
  private:
   friend class MlaLayer<T>;
+  friend struct detail::BatchGrowth;
 
   // Grows geometrically to hold `needed` tokens. Strong exception guarantee.
   void grow_for(Index needed) {

@@ -95,6 +95,7 @@ class PagedGqaCache : public detail::PagedCacheBase<GqaConfig> {
 
  private:
   friend class GqaLayer<T>;
+  friend struct detail::BatchGrowth;
   using detail::PagedCacheBase<GqaConfig>::grow_for;
 
   // Writes and counts one token (1 x n_kv*d_h rows); grow_for must have run.

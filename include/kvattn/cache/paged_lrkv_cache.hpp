@@ -115,6 +115,7 @@ class PagedLrkvCache : public detail::PagedCacheBase<LrkvConfig> {
 
  private:
   friend class LrkvLayer<T>;
+  friend struct detail::BatchGrowth;
   using detail::PagedCacheBase<LrkvConfig>::grow_for;
 
   void append_unchecked(const rows_type& rows) {

@@ -105,6 +105,7 @@ class PagedMlaCache : public detail::PagedCacheBase<MlaConfig> {
 
  private:
   friend class MlaLayer<T>;
+  friend struct detail::BatchGrowth;
   using detail::PagedCacheBase<MlaConfig>::grow_for;
 
   // Writes and counts one token; prepare_append must have run.
