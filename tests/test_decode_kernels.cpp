@@ -549,10 +549,11 @@ void check_batch_product(Index B, Index d, Index n) {
 }  // namespace
 
 TEST_CASE("batch_product equals a plain loop", "[kernels][batch_product]") {
-  // Rows: 1 to 9 (register blocks of 4 and every remainder), 17 and 64 (the most it
+  // Rows: 1 to 9 (register blocks of 4 or 8 and every remainder), 17 and 64 (the most it
   // takes); depths around its chunks (8 and 64 rows) and 0 (an empty sum); columns below
-  // a packet, with tails, and past the column panels (e.g. 64 rows: 128 columns a panel).
-  for (const Index B : {1, 2, 3, 4, 5, 7, 9, 17, 64}) {
+  // a packet, with tails, and past the column panels (64 rows: a panel of 96 to 128 columns, by
+  // ISA).
+  for (const Index B : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64}) {
     for (const Index d : {0, 1, 7, 9, 65, 130}) {
       for (const Index n : {3, 16, 37, 64, 200, 531}) {
         check_batch_product<float>(B, d, n);
