@@ -368,6 +368,12 @@ TEST_CASE("LRKV: paged, batched and shared-prefix decode", "[batch][paged]") {
   shared.rope_dim = 0;
   shared.key_norm = false;
   batches_equal_singles(LrkvLayer<double>::random(shared, 7));
+  // A rank of at least a packet (16 floats with AVX-512): the batch's units score with
+  // detail::lrkv_score, each sequence's transposed queries, as a single decode does.
+  LrkvConfig wide = shared;
+  wide.rank = 17;
+  batches_equal_singles(LrkvLayer<float>::random(wide, 8));
+  shared_prefixes(LrkvLayer<float>::random(wide, 9));
 }
 
 TEST_CASE("merge_states: the merge of partial softmax states is softmax over the union",

@@ -87,6 +87,7 @@ class LrkvLayer {
     // decode_batch: B rows of the same (acc: B*H rows), and the batch's units and states.
     RowMatrix<T> batch_query, batch_query_latent, batch_query_rope, batch_key, batch_value,
         batch_rms, batch_acc, batch_heads;
+    RowMatrix<T> batch_query_t;  // B*d_h x H_p: each sequence's query_t, one below the other
     detail::BatchScratch<T> batch;
   };
 
@@ -462,6 +463,7 @@ class LrkvLayer {
                  ws.scratch.data());
       finish_query(position, ws.batch_query.row(s).data(), ws.batch_query_latent.row(s).data(),
                    ws.batch_query_rope.row(s).data());
+      transpose_query(ws.batch_query.row(s).data(), ws.batch_query_t.middleRows(s * dh, dh));
     }
     if constexpr (detail::is_quantized_storage<S>) {
       detail::require_finite(where, "the new tokens' keys", ws.batch_key);
@@ -491,6 +493,8 @@ class LrkvLayer {
                            dh + hr,
                            config_.key_norm};
       ops.sequences = sequences;
+      ops.query_t = ws.batch_query_t.data() + first_sequence * dh * ws.batch_query_t.cols();
+      ops.query_t_stride = ws.batch_query_t.cols();
       return ops;
     };
     detail::run_batch(ws.batch, [&](Index source) {
@@ -534,6 +538,17 @@ class LrkvLayer {
   Index padded_heads() const {
     constexpr Index P = detail::packet_size<T>;
     return (config_.n_heads + P - 1) / P * P;
+  }
+
+  // The shared queries q_h (H rows of d_h) as the columns of `columns` (d_h x H_p), the
+  // padding heads zero: detail::lrkv_score's layout.
+  template <class Columns>
+  void transpose_query(const T* query, Columns&& columns) const {
+    const Index H = config_.n_heads;
+    const Index dh = config_.head_dim;
+    columns.leftCols(H) =
+        detail::ConstRowsMap<T>(query, H, dh, Eigen::OuterStride<>(dh)).transpose();
+    columns.rightCols(columns.cols() - H).setZero();
   }
 
   Index key_width() const {
@@ -684,6 +699,7 @@ class LrkvLayer {
     detail::reshape(ws.scratch, dh);
     detail::reshape(ws.batch_query, batch, H * dh);
     detail::reshape(ws.batch_query_latent, batch, hr);
+    detail::reshape(ws.batch_query_t, batch * dh, padded_heads());
     detail::reshape(ws.batch_query_rope, batch, H * config_.decoupled_dim());
     detail::reshape(ws.batch_key, batch, key_width());
     detail::reshape(ws.batch_value, batch, dh + hr);
@@ -722,8 +738,9 @@ class LrkvLayer {
     // prefix's tile, read from memory once, serves every sequence of a batch: logits and
     // accumulator rows b*H ... b*H + H-1, the queries b*H*d_h etc. on).
     Index sequences = 1;
-    // The shared queries as columns (d_h x query_t_stride), for detail::lrkv_score; null
-    // (score_rows instead) in a batch step, whose sequences each have their own.
+    // The shared queries as columns (d_h x query_t_stride), for detail::lrkv_score (null:
+    // score_rows instead); a block of sequences has one such matrix per sequence, d_h rows
+    // apart, so each sequence's heads are scored as a single decode scores them.
     const T* query_t = nullptr;
     Index query_t_stride = 0;
 
@@ -756,7 +773,7 @@ class LrkvLayer {
       ops.query_latent += b * heads * rank;
       ops.query_rope += b * heads * rope_dim;
       ops.sequences = 1;
-      if (b > 0) ops.query_t = nullptr;
+      if (query_t != nullptr) ops.query_t += b * head_dim * query_t_stride;
       return ops;
     }
 
@@ -1076,10 +1093,7 @@ class LrkvLayer {
     const Index r = config_.rank;
     finish_query(static_cast<double>(config_.rope.position_offset + position), ws.query.data(),
                  ws.query_latent.data(), ws.query_rope.data());
-    // The shared queries as columns, for detail::lrkv_score (the padding heads zero).
-    ws.query_t.leftCols(H) =
-        detail::ConstRowsMap<T>(ws.query.data(), H, dh, Eigen::OuterStride<>(dh)).transpose();
-    ws.query_t.rightCols(ws.query_t.cols() - H).setZero();
+    transpose_query(ws.query.data(), ws.query_t);
     DecodeOps<Cache> ops{cache,
                          ws.query.data(),
                          ws.query_latent.data(),
