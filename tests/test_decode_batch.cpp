@@ -21,38 +21,15 @@
 #include "kvattn/reference/gqa.hpp"
 #include "kvattn/reference/lrkv.hpp"
 #include "kvattn/reference/mla.hpp"
+#include "paged_util.hpp"
 #include "test_util.hpp"
 
 using namespace kvattn;
+using test::make_paged;
+using test::make_pool;
 using Bf16 = Eigen::bfloat16;
 
 namespace {
-
-// A pool and a paged cache for each layer type.
-template <class S, class T>
-std::shared_ptr<PagePool> make_pool(const GqaLayer<T>& layer, Index page, Index pages) {
-  return make_gqa_page_pool<S>(layer.config(), page, pages);
-}
-template <class S, class T>
-std::shared_ptr<PagePool> make_pool(const MlaLayer<T>& layer, Index page, Index pages) {
-  return make_mla_page_pool<S>(layer.config(), page, pages);
-}
-template <class S, class T>
-std::shared_ptr<PagePool> make_pool(const LrkvLayer<T>& layer, Index page, Index pages) {
-  return make_lrkv_page_pool<S>(layer.config(), page, pages);
-}
-template <class S, class T>
-PagedGqaCache<T, S> make_paged(const GqaLayer<T>& layer, std::shared_ptr<PagePool> pool) {
-  return PagedGqaCache<T, S>(layer.config(), std::move(pool));
-}
-template <class S, class T>
-PagedMlaCache<T, S> make_paged(const MlaLayer<T>& layer, std::shared_ptr<PagePool> pool) {
-  return PagedMlaCache<T, S>(layer.config(), std::move(pool));
-}
-template <class S, class T>
-PagedLrkvCache<T, S> make_paged(const LrkvLayer<T>& layer, std::shared_ptr<PagePool> pool) {
-  return PagedLrkvCache<T, S>(layer.config(), std::move(pool));
-}
 
 // Small configs with RoPE, as the equivalence tests use them.
 GqaConfig gqa(Index n_kv) {

@@ -27,38 +27,16 @@
 #include <string>
 #include <vector>
 
+#include "paged_util.hpp"
 #include "strong_guarantee.hpp"
 
 using namespace kvattn;
+using test::make_paged;
+using test::make_pool;
 
 namespace {
 
 constexpr Index kBatch = 3;
-
-template <class S, class T>
-std::shared_ptr<PagePool> make_pool(const GqaLayer<T>& layer, Index page, Index pages) {
-  return make_gqa_page_pool<S>(layer.config(), page, pages);
-}
-template <class S, class T>
-std::shared_ptr<PagePool> make_pool(const MlaLayer<T>& layer, Index page, Index pages) {
-  return make_mla_page_pool<S>(layer.config(), page, pages);
-}
-template <class S, class T>
-std::shared_ptr<PagePool> make_pool(const LrkvLayer<T>& layer, Index page, Index pages) {
-  return make_lrkv_page_pool<S>(layer.config(), page, pages);
-}
-template <class S, class T>
-PagedGqaCache<T, S> make_paged(const GqaLayer<T>& layer, std::shared_ptr<PagePool> pool) {
-  return PagedGqaCache<T, S>(layer.config(), std::move(pool));
-}
-template <class S, class T>
-PagedMlaCache<T, S> make_paged(const MlaLayer<T>& layer, std::shared_ptr<PagePool> pool) {
-  return PagedMlaCache<T, S>(layer.config(), std::move(pool));
-}
-template <class S, class T>
-PagedLrkvCache<T, S> make_paged(const LrkvLayer<T>& layer, std::shared_ptr<PagePool> pool) {
-  return PagedLrkvCache<T, S>(layer.config(), std::move(pool));
-}
 
 // What a failed decode_batch must leave as it was: every cache's state (the batch's, then
 // any other cache that shares pages with them), and a pool's pages (-1 without a pool).
