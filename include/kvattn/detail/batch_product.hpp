@@ -38,7 +38,7 @@ inline constexpr Index kBatchProductPanelBytes = 32 * 1024;
 // A register block: M rows of x x C packets of W's columns in accumulators, C packets
 // of W and a broadcast beside them. With 32 registers 8 x 3 (24 accumulators; one W
 // packet feeds 8 FMAs) measured faster than 4 x 4 from 16 rows on (4096 x 4096 fp32,
-// AVX-512: 110 -> 120 GFLOP/s at 16 rows, 152 -> 175 at 64; equal below); with 16
+// AVX-512: 110 -> 120 GFLOP/s at 16 rows, 152 -> 175-181 at 64; equal below); with 16
 // registers 4 x 2.
 inline constexpr int kBatchProductBlockRows = many_registers ? 8 : 4;
 inline constexpr int kBatchProductPackets = many_registers ? 3 : 2;
@@ -177,10 +177,11 @@ template <class A, class W, class Out>
 void product(const A& a, const W& w, Out&& out) {
   using T = typename W::Scalar;
   using O = std::remove_reference_t<Out>;
-  if constexpr ((std::is_same_v<T, float> ||
-                 std::is_same_v<T, double>)&&std::is_same_v<typename A::Scalar, T> &&
-                std::is_same_v<typename O::Scalar, T> && contiguous_rows_v<A> &&
-                contiguous_rows_v<W> && contiguous_rows_v<O>) {
+  constexpr bool real = std::is_same_v<T, float> || std::is_same_v<T, double>;
+  constexpr bool same =
+      std::is_same_v<typename A::Scalar, T> && std::is_same_v<typename O::Scalar, T>;
+  if constexpr (real && same && contiguous_rows_v<A> && contiguous_rows_v<W> &&
+                contiguous_rows_v<O>) {
     if (a.rows() >= 2 && a.rows() <= kBatchProductRows) {
       batch_product(a.data(), a.outerStride(), a.rows(), a.cols(), w.data(), w.outerStride(),
                     w.cols(), out.data(), out.outerStride());
