@@ -348,6 +348,7 @@ TEST_CASE("LRKV: paged, batched and shared-prefix decode", "[batch][paged]") {
   // A rank of at least a packet (16 floats with AVX-512): the batch's units score with
   // detail::lrkv_score, each sequence's transposed queries, as a single decode does.
   LrkvConfig wide = shared;
+  wide.head_dim = 24;  // rank <= head_dim
   wide.rank = 17;
   batches_equal_singles(LrkvLayer<float>::random(wide, 8));
   shared_prefixes(LrkvLayer<float>::random(wide, 9));
