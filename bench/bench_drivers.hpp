@@ -26,6 +26,7 @@
 #include <chrono>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -136,8 +137,8 @@ struct NaiveRunner {
 
 /// decode/<mech> (expanded = false): layer.attend over a filled cache of L tokens.
 /// decode_expanded/<mech> (expanded = true): reference::decode_step on the same cache.
-/// A float decode/ row also gets vs_naive: the decode_naive row's time from earlier in
-/// this run, or, when that did not run (a filter), the naive step timed here.
+/// A float decode/ row also gets vs_naive: the naive step (decode_naive's, the faster
+/// form) timed after each timed step, over the same iterations.
 template <class M, class S>
 void run_decode(benchmark::State& state, const M& mech, bool expanded) {
   const Index L = state.range(0);
@@ -182,11 +183,33 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
     }
   }
 
+  // vs_naive's baseline, timed inside the loop: one naive step (paused) after every
+  // timed step, so both see the same memory bandwidth. Timed in separate benchmarks
+  // minutes apart, they did not: this VM's read bandwidth moved between 50 and 110 GB/s
+  // within one report run, and vs_naive with it (0.68 at mha L=1024 T=2, 1.03 rerun).
+  std::optional<NaiveRunner<M>> naive;
+  if constexpr (std::is_same_v<S, float>) {
+    if (!expanded && mech.has_naive()) {
+      naive.emplace();
+      naive->choose(slots, query, heads, T);
+    }
+  }
+  Row naive_heads(mech.heads_width());
+  double naive_step_seconds = 0;
+
+  // Every read (the step, the read pass, the naive step) takes the slot read longest
+  // ago, so none finds another's data in L3.
+  int next_slot = 0;
+  auto take_slot = [&] {
+    const int k = next_slot;
+    next_slot = (next_slot + 1) % n;
+    return k;
+  };
   Limits limits;
   Index it = 0;
   double step_seconds = 0;
   for (auto _ : state) {
-    const int k = static_cast<int>(it % n);
+    const int k = take_slot();
     const auto start = Clock::now();
     if (expanded) {
       const Mat out = kvattn::reference::decode_step(*slots.layers[k], slots.caches[k], query);
@@ -198,7 +221,16 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
     benchmark::ClobberMemory();
     step_seconds += seconds_since(start);
     state.PauseTiming();
-    limits.read(slots.reads[read_slot(it, n)], T);
+    limits.read(slots.reads[take_slot()], T);
+    if constexpr (std::is_same_v<S, float>) {
+      if (naive) {
+        const auto naive_start = Clock::now();
+        naive->run(slots.caches[take_slot()], query, naive_heads);
+        benchmark::DoNotOptimize(naive_heads.data());
+        benchmark::ClobberMemory();
+        naive_step_seconds += seconds_since(naive_start);
+      }
+    }
     state.ResumeTiming();
     ++it;
   }
@@ -230,30 +262,14 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
       }
     }
   }
-  if constexpr (std::is_same_v<S, float>) {
-    if (!expanded && it > 0 && mech.has_naive()) {
-      double naive = naive_seconds(mech.name, L, T);
-      if (naive <= 0) {  // decode_naive did not run: time the naive step here
-        NaiveRunner<M> runner;
-        runner.choose(slots, query, heads, T);
-        std::vector<double> times;
-        for (int rep = 0; rep < 3; ++rep) {
-          const auto start = Clock::now();
-          runner.run(slots.caches[static_cast<std::size_t>(rep % n)], query, heads);
-          times.push_back(seconds_since(start));
-        }
-        std::sort(times.begin(), times.end());
-        naive = times[1];
-      }
-      state.counters["vs_naive"] =
-          benchmark::Counter(naive / (step_seconds / static_cast<double>(it)));
-    }
+  if (naive && it > 0) {
+    state.counters["vs_naive"] = benchmark::Counter(naive_step_seconds / step_seconds);
   }
 }
 
 /// decode_naive/<mech>: the naive baseline (naive.hpp) over the same float caches,
-/// in the faster of its two forms (the label says which); its time per step is kept
-/// for the vs_naive counter of decode/<mech> at the same L and T.
+/// in the faster of its two forms (the label says which), as a row of its own
+/// (decode/<mech>'s vs_naive times the same step inside its own loop).
 template <class M>
 void run_naive(benchmark::State& state, const M& mech) {
   const Index L = state.range(0);
@@ -314,7 +330,6 @@ void run_naive(benchmark::State& state, const M& mech) {
   report(state, cost, limits, T);
   state.counters["block_bytes"] = benchmark::Counter(mech.block_bytes(L, sizeof(float)));
   state.SetLabel(std::string("form:") + to_string(runner.form));
-  if (it > 0) record_naive(mech.name, L, T, step_seconds / static_cast<double>(it));
 }
 
 /// layer_decode/<mech>: layer.decode(x, cache, out, workspace, threads) (projections,

@@ -10,7 +10,7 @@ void register_gqa() {
   const std::vector<int> threads = thread_counts();
   const GqaMech mechs[] = {mha_mech(), gqa_mech(), mqa_mech()};
   for (const auto& m : mechs) {
-    add_naive(m, kDecodeLengths, threads);  // first: decode/ reads its times (vs_naive)
+    add_naive(m, kDecodeLengths, threads);
     add_decode("decode", m, kDecodeLengths, threads);
   }
   add_decode<GqaMech, Eigen::bfloat16>("decode_bf16", mha_mech(), {4096, 16384, 65536}, threads);

@@ -9,7 +9,7 @@ namespace kvb {
 void register_lrkv() {
   const std::vector<int> threads = thread_counts();
   const LrkvMech mech = lrkv_mech();
-  add_naive(mech, kDecodeLengths, threads);  // first: decode/ reads its times (vs_naive)
+  add_naive(mech, kDecodeLengths, threads);
   add_decode("decode", mech, kDecodeLengths, threads);
   add_decode<LrkvMech, Eigen::bfloat16>("decode_bf16", mech, {16384, 65536}, threads);
   add_decode<LrkvMech, kvattn::Int8<128>>("decode_int8", mech, {65536}, threads);

@@ -200,7 +200,7 @@ void register_mla() {
   const MlaMech lite = mla_mech();
   const MlaMech v2 = mla_v2_mech();
   for (const MlaMech& m : {lite, v2}) {
-    add_naive(m, kDecodeLengths, threads);  // first: decode/ reads its times (vs_naive)
+    add_naive(m, kDecodeLengths, threads);
     add_decode("decode", m, kDecodeLengths, threads);
   }
   add_decode<MlaMech, Eigen::bfloat16>("decode_bf16", lite, {16384, 65536}, threads);

@@ -261,29 +261,6 @@ double relative_error(const Mat& a, const Mat& b) {
 }
 
 namespace {
-std::map<std::string, std::vector<double>>& naive_times() {
-  static std::map<std::string, std::vector<double>> times;
-  return times;
-}
-std::string naive_key(const std::string& mech, Index L, int T) {
-  return mech + "/L:" + std::to_string(L) + "/T:" + std::to_string(T);
-}
-}  // namespace
-
-double naive_seconds(const std::string& mech, Index L, int T) {
-  const auto it = naive_times().find(naive_key(mech, L, T));
-  if (it == naive_times().end() || it->second.empty()) return 0.0;
-  std::vector<double> v = it->second;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-void record_naive(const std::string& mech, Index L, int T, double seconds) {
-  naive_times()[naive_key(mech, L, T)].push_back(seconds);
-}
-
-namespace {
 std::map<std::string, StepRecord>& step_records() {
   static std::map<std::string, StepRecord> records;
   return records;

@@ -169,14 +169,6 @@ std::shared_ptr<const Layer> shared_layer(const std::string& key, Make make) {
   return std::static_pointer_cast<const Layer>(slot);
 }
 
-// ---- Naive baselines and vs_naive ---------------------------------------------------------
-
-/// The per-step time (seconds) of decode_naive/<mech>/L/T measured earlier in this run
-/// (the median over its repetitions so far), or 0 when it has not run.
-double naive_seconds(const std::string& mech, Index L, int T);
-/// Records one repetition of decode_naive/<mech>/L/T (its mean time per step).
-void record_naive(const std::string& mech, Index L, int T, double seconds);
-
 // ---- Rows measured against each other in one run (vs_bf16) ------------------------------
 
 /// One row's mean time per step and roofline time per step (report's return value).

@@ -122,13 +122,11 @@
 //                     fraction of the attainable speed the step reaches (1 = at the
 //                     bound). The label says which bound applies (bound:memory or
 //                     bound:compute).
-//   vs_naive          (fp32 decode/ rows) time per step of decode_naive/<mech> at the
-//                     same L and T, measured earlier in this run (median over its
-//                     repetitions), / this row's time per step; > 1 = kvattn faster.
-//                     Both times are the mean steady_clock time of the timed steps.
-//                     When decode_naive did not run (a filter), the decode benchmark
-//                     times the naive step itself after its loop (faster form, median
-//                     of 3 steps on its own slots).
+//   vs_naive          (fp32 decode/ rows) time per step of the naive step
+//                     (decode_naive/<mech>'s, the faster form) / this row's time per
+//                     step; > 1 = kvattn faster. The naive step is timed inside this
+//                     row's loop, one after every timed step (paused), so both see the
+//                     same memory bandwidth; both are mean steady_clock times.
 //   block_bytes       (decode, decode_naive, decode_bf16) the largest block one query
 //                     head's attention reads: one KV group's K and V (2 L d_h), MLA's
 //                     latent rows (L (d_c + d_R)), LRKV's key and value rows. The

@@ -404,8 +404,9 @@ HOW_TO_READ = """\
   run's measured limits; the same formula as `kvcalc --bandwidth/--flops`. Measured
   time / predicted = 1 / roofline_frac when the benchmark reads exactly the predicted
   bytes.
-- **vs naive** (`vs_naive` counter, `decode/` rows) = time(`decode_naive`, same
-  mechanism, L, T) / time of the row, both measured in this run: how much faster
+- **vs naive** (`vs_naive` counter, `decode/` rows) = time of the naive step (the
+  `decode_naive` code) / time of the row, the naive step timed inside the row's own
+  loop after each timed step, so both see the same memory bandwidth: how much faster
   kvattn's step is than the obvious Eigen code over the same cache buffers (per-head
   GEMVs or per-group GEMM, whichever was faster; the `decode_naive` row's label says
   which). Below 1.0 the library loses to code a user would write.
