@@ -255,29 +255,42 @@ TEST_CASE("score_rows with a second, per-row dot product (LRKV's residual)", "[k
 }
 
 TEST_CASE("bf16 rows read in pairs: paired queries and accumulators", "[kernels]") {
-  // Only where the build has the paired path (AVX2); elsewhere paired_rows is false and
-  // the kernels never see paired operands.
-  for (const Index width : {16, 128, 576}) {
-    if (!detail::paired_rows<float, Eigen::bfloat16>(width)) {
-      WARN("no paired bf16 path in this build (" << simd_level() << ")");
-      return;
-    }
-    for (const Index G : {1, 3, 16}) {
+  // Only where the build has a paired path: the score on AVX2 and AVX-512
+  // (paired_score_rows), the accumulate on AVX2 (paired_rows); elsewhere the kernels
+  // never see paired operands. Widths must be whole pair blocks (16 or 32 elements).
+  if (!detail::paired_score_rows<float, Eigen::bfloat16>(detail::kPairBlock)) {
+    WARN("no paired bf16 path in this build (" << simd_level() << ")");
+    return;
+  }
+  for (const Index width : {16, 32, 128, 576}) {
+    if (!detail::paired_score_rows<float, Eigen::bfloat16>(width)) continue;
+    // G = 4, 8: whole 4-row blocks (AVX-512's 4 x 4 paired block); 3, 5, 6: a 2- or
+    // 1-row block after them; 16: many blocks.
+    for (const Index G : {1, 3, 4, 5, 6, 8, 16}) {
       const Index n = 29, ld = n + 3, stride = width + 16;
       const auto q = random_values<float>(G * width, 51);
       const auto k = random_values<Eigen::bfloat16>(n * stride, 52);
       const auto w = random_values<float>(G * ld, 53);
-      // Score: paired queries against the same rows give the same logits.
+      // Score: paired queries against the rows give q_i . k_t, summed in double here.
       auto q_paired = q;
       for (Index i = 0; i < G; ++i) detail::to_paired(q_paired.data() + i * width, width);
-      std::vector<float> got(static_cast<std::size_t>(G * ld)), want(got.size());
+      std::vector<float> got(static_cast<std::size_t>(G * ld), -7.0f);
       detail::score_rows(q_paired.data(), width, G, width, k.data(), stride, 0, n, got.data(), ld,
                          false, nullptr, nullptr, true);
-      detail::score_rows(q.data(), width, G, width, k.data(), stride, 0, n, want.data(), ld, false);
-      for (std::size_t i = 0; i < got.size(); ++i) {
-        CAPTURE(width, G, i);
-        REQUIRE(got[i] == Approx(want[i]).epsilon(1e-5).margin(1e-4));
+      for (Index i = 0; i < G; ++i) {
+        for (Index t = 0; t < n; ++t) {
+          double want = 0, scale = 0;
+          for (Index j = 0; j < width; ++j) {
+            const double term = double{q[static_cast<std::size_t>(i * width + j)]} *
+                                static_cast<double>(k[static_cast<std::size_t>(t * stride + j)]);
+            want += term;
+            scale += std::abs(term);
+          }
+          CAPTURE(width, G, i, t);
+          REQUIRE(close(got[static_cast<std::size_t>(i * ld + t)], want, width, scale));
+        }
       }
+      if (!detail::paired_rows<float, Eigen::bfloat16>(width)) continue;
       // Accumulate: a paired accumulator, put back in order, equals the plain one.
       std::vector<float> acc(static_cast<std::size_t>(G * width), 0.5f), plain = acc;
       for (Index i = 0; i < G; ++i) detail::to_paired(acc.data() + i * width, width);
@@ -294,6 +307,23 @@ TEST_CASE("bf16 rows read in pairs: paired queries and accumulators", "[kernels]
       }
     }
   }
+}
+
+TEST_CASE("to_paired puts each pair block's even elements first; from_paired undoes it",
+          "[kernels]") {
+  const Index block = detail::kPairBlock, width = 2 * block;
+  std::vector<float> row(static_cast<std::size_t>(width));
+  for (Index j = 0; j < width; ++j) row[static_cast<std::size_t>(j)] = static_cast<float>(j);
+  auto paired = row;
+  detail::to_paired(paired.data(), width);
+  for (Index j = 0; j < width; ++j) {
+    const Index first = j / block * block, at = j - first, half = block / 2;
+    const Index from = first + (at < half ? 2 * at : 2 * (at - half) + 1);
+    CAPTURE(j);
+    REQUIRE(paired[static_cast<std::size_t>(j)] == static_cast<float>(from));
+  }
+  detail::from_paired(paired.data(), width);
+  REQUIRE(paired == row);
 }
 
 TEST_CASE("accumulate_rows equals a plain loop at awkward sizes", "[kernels]") {

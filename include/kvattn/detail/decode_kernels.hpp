@@ -26,7 +26,7 @@
 //                    and D value packets per token).
 // Widths that are not a multiple of P (LRKV's r = 54) end with one overlapping packet
 // whose repeated lanes are zeroed (packet_ops.hpp: zero_first), not a scalar loop.
-// Widths below P take a plain scalar loop. bf16 rows may be read 16 elements at a time
+// Widths below P take a plain scalar loop. bf16 rows may be read 2P elements at a time
 // as an even- and an odd-indexed packet (the "paired" layout, packet_ops.hpp).
 #pragma once
 
@@ -68,7 +68,7 @@ struct SecondDot {
 namespace kernels {
 
 // How query row i finds its columns in a cached row: all at the same offset (kShared),
-// at i * seg (kSegmented), or at the same offset with bf16 elements read 16 at a time
+// at i * seg (kSegmented), or at the same offset with bf16 elements read 2P at a time
 // as an even and an odd packet (kPaired, packet_ops.hpp: bf16_even / bf16_odd).
 inline constexpr int kShared = 0;
 inline constexpr int kSegmented = 1;
@@ -133,11 +133,11 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
     }
   };
   if constexpr (Paired) {
-    // 16 bf16 elements per load, the even-indexed ones in one pass over the block's
-    // rows, the odd-indexed in a second (the reload hits L1), so that one key packet
-    // at a time is live (12 accumulators + M queries + 1).
-#if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 builds
-    if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8) {
+#if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 and AVX-512 builds
+    if constexpr (kHavePairedScoreBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8) {
+      // 16 registers: 16 bf16 elements per load, the even-indexed ones in one pass over
+      // the block's rows, the odd-indexed in a second (the reload hits L1), so that one
+      // key packet at a time is live (12 accumulators + M queries + 1).
       for (Index j = 0; j < dk; j += 2 * P) {
         KVATTN_UNROLL
         for (int half = 0; half < 2; ++half) {
@@ -148,11 +148,36 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
             qp[m] = ei::ploadu<Packet<T>>(q + m * q_stride + j + half * P);
           KVATTN_UNROLL
           for (int b = 0; b < B; ++b) {
-            const __m256i raw = load_bf16_raw(row[b] + j);
+            const RawBf16 raw = load_bf16_raw(row[b] + j);
             Packet<T> kp = half == 0 ? bf16_even(raw) : bf16_odd(raw);
             if constexpr (M > 1) keep_in_register(kp);
             KVATTN_UNROLL
             for (int m = 0; m < M; ++m) acc[m * B + b] = ei::pmadd(qp[m], kp, acc[m * B + b]);
+          }
+        }
+      }
+    } else if constexpr (kHavePairedScoreBf16 && std::is_same_v<S, Eigen::bfloat16>) {
+      // 32 registers: 32 bf16 elements per load, both halves live (M * B accumulators,
+      // 2M query packets, 2 key packets: B = 4 for 4 rows, see kPairedLanes4).
+      for (Index j = 0; j < dk; j += 2 * P) {
+        if (prefetch != nullptr) {  // the plan counts a step per P columns
+          prefetch->step();
+          prefetch->step();
+        }
+        Packet<T> q_even[M], q_odd[M];
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) {
+          q_even[m] = ei::ploadu<Packet<T>>(q + m * q_stride + j);
+          q_odd[m] = ei::ploadu<Packet<T>>(q + m * q_stride + j + P);
+        }
+        KVATTN_UNROLL
+        for (int b = 0; b < B; ++b) {
+          const RawBf16 raw = load_bf16_raw(row[b] + j);
+          const Packet<T> even = bf16_even(raw), odd = bf16_odd(raw);
+          KVATTN_UNROLL
+          for (int m = 0; m < M; ++m) {
+            acc[m * B + b] = ei::pmadd(q_even[m], even, acc[m * B + b]);
+            acc[m * B + b] = ei::pmadd(q_odd[m], odd, acc[m * B + b]);
           }
         }
       }
@@ -211,6 +236,12 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
 // 16, and each query row is read once per 6 tokens instead of 4 (MQA's 32 rows x 128 and
 // MLA's 16 x 576 are read from L2 by every block).
 inline constexpr int kScoreLanes4 = many_registers ? 6 : kBlockAccumulators / 4;
+
+// Tokens per paired score block of 4 query rows on 32-register ISAs: both halves of a
+// pair column live take 8 query packets and 2 key packets beside the accumulators, so 4
+// tokens (16 + 10 registers; 6 tokens spilled: 9.5 ns per token against 5.4,
+// kernel-only).
+inline constexpr int kPairedLanes4 = 4;
 
 // Lanes per score block for a call over G rows: every block of the call uses the same
 // B (the first block's), so all share one lane layout.
@@ -288,6 +319,13 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
   constexpr bool Paired = Layout == kPaired;
   (void)Segmented, (void)Paired;
   constexpr int B4 = kScoreLanes4, B2 = kBlockAccumulators / 2, B1 = kBlockAccumulators;
+  if constexpr (Paired && many_registers) {
+    if (block_rows(G) == 4) {
+      score_rows_lanes<T, S, Layout, kPairedLanes4>(q, q_stride, G, dk, k, k_stride, seg, n, logits,
+                                                    ld, add, prefetch, second);
+      return;
+    }
+  }
   switch (score_lanes(G)) {
     case B4:
       score_rows_lanes<T, S, Layout, B4>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
@@ -465,14 +503,14 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
     } else if constexpr (Paired) {
       // 16 bf16 columns per load: the even-indexed into packet d, the odd into d + 1
       // (the accumulator row is in paired order; D is even).
-#if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 builds
+#if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 and AVX-512 builds
       if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8 && D % 2 == 0) {
         Packet<T> weight[M];
         KVATTN_UNROLL
         for (int m = 0; m < M; ++m) weight[m] = ei::pset1<Packet<T>>(w[m * ld + t]);
         KVATTN_UNROLL
         for (int d = 0; d < D; d += 2) {
-          const __m256i raw = load_bf16_raw(vt + d * P);
+          const RawBf16 raw = load_bf16_raw(vt + d * P);
           Packet<T> even = bf16_even(raw);
           if constexpr (M > 1) keep_in_register(even);
           KVATTN_UNROLL
@@ -620,14 +658,15 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
 /// along the way (see Prefetcher) and finished at the end. `second` (optional) adds a
 /// second, per-row dot product into the same logits (see SecondDot). `paired`: the rows
 /// are read in pairs (packet_ops.hpp), and q is in paired order; only where
-/// paired_rows<T, S>(dk) and seg == 0.
+/// paired_score_rows<T, S>(dk) and seg == 0.
 template <class T, class S>
 void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
                 Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch = nullptr,
                 const std::type_identity_t<SecondDot<T>>* second = nullptr, bool paired = false) {
   constexpr Index P = packet_size<T>;
-  if constexpr (kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>) {
-    if (paired && paired_rows<T, S>(dk) && seg == 0) {
+  if constexpr (kHavePairedScoreBf16 && std::is_same_v<T, float> &&
+                std::is_same_v<S, Eigen::bfloat16>) {
+    if (paired && paired_score_rows<T, S>(dk) && seg == 0) {
       const bool narrow = second != nullptr && second->dk < P;
       if (n > 0 && G > 0) {
         kernels::score_rows<T, S, kernels::kPaired>(q, q_stride, G, dk, k, k_stride, 0, n, logits,

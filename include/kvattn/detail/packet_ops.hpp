@@ -130,47 +130,82 @@ inline void keep_in_register(P& p) {
 #endif
 }
 
-/// bf16 rows read in pairs (AVX2): 16 elements loaded at once become two float packets,
-/// the even-indexed elements (the low halves of the 32-bit lanes, shifted up by 16) and
-/// the odd-indexed ones (the high halves, masked): one load and one integer op per
-/// packet, where widening 8 elements takes a zero-extending load (a shuffle) and a
-/// shift, both on the two pipes the FMAs share. The element order changes, so the other
-/// operand must be in the same "paired" order (to_paired): a query row for a dot
-/// product, and an accumulator row, put back in order after the pass (from_paired).
-#if defined(EIGEN_VECTORIZE_AVX2) && !defined(EIGEN_VECTORIZE_AVX512)
+/// bf16 rows read in pairs: 2P elements loaded at once become two float packets, the
+/// even-indexed elements (the low halves of the 32-bit lanes, shifted up by 16) and the
+/// odd-indexed ones (the high halves, masked): one load and one integer op per packet,
+/// where widening P elements takes a zero-extending load (a shuffle) and a shift. The
+/// element order changes, so the other operand must be in the same "paired" order
+/// (to_paired, blocks of kPairBlock = 2P elements): a query row for a dot product, and
+/// an accumulator row, put back in order after the pass (from_paired).
+///
+/// AVX2 reads pairs in the score and the accumulate (kHavePairedBf16); AVX-512 in the
+/// score only (kHavePairedScoreBf16), where the widening shuffle was what bound it:
+/// kernel-only, 4 query rows against hot bf16 keys (d_h = 128, Zen 5) took 10.2 ns per
+/// token widened and 5.4 ns in pairs, the accumulate 5.6 ns widened (pairs measured no
+/// faster there).
+#if defined(EIGEN_VECTORIZE_AVX512)
+#define KVATTN_PAIRED_BF16 1
+inline constexpr bool kHavePairedBf16 = false;
+inline constexpr bool kHavePairedScoreBf16 = true;
+using RawBf16 = __m512i;
+inline RawBf16 load_bf16_raw(const Eigen::bfloat16* from) { return _mm512_loadu_si512(from); }
+// The zero-masking shift (GCC bug 105593, see load_widened).
+inline __m512 bf16_even(RawBf16 raw) {
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, raw, 16));
+}
+inline __m512 bf16_odd(RawBf16 raw) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#elif defined(EIGEN_VECTORIZE_AVX2)
 #define KVATTN_PAIRED_BF16 1
 inline constexpr bool kHavePairedBf16 = true;
-inline __m256i load_bf16_raw(const Eigen::bfloat16* from) {
+inline constexpr bool kHavePairedScoreBf16 = true;
+using RawBf16 = __m256i;
+inline RawBf16 load_bf16_raw(const Eigen::bfloat16* from) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
 }
-inline __m256 bf16_even(__m256i raw) { return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)); }
-inline __m256 bf16_odd(__m256i raw) {
+inline __m256 bf16_even(RawBf16 raw) { return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)); }
+inline __m256 bf16_odd(RawBf16 raw) {
   return _mm256_castsi256_ps(
       _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 #else
 #define KVATTN_PAIRED_BF16 0
 inline constexpr bool kHavePairedBf16 = false;
+inline constexpr bool kHavePairedScoreBf16 = false;
 #endif
 
-/// Whether rows of `width` elements of storage S are read in pairs (see above): bf16
-/// into float on AVX2, width a multiple of 16.
+/// Elements per paired block: one load of bf16 pairs (16 on AVX2, 32 on AVX-512).
+inline constexpr Index kPairBlock = 2 * packet_size<float>;
+
+/// Whether rows of `width` elements of storage S are read in pairs by the accumulate
+/// and the score (see above): bf16 into float on AVX2, width a multiple of kPairBlock.
 template <class T, class S>
 constexpr bool paired_rows(Index width) {
   return kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
-         width > 0 && width % 16 == 0;
+         width > 0 && width % kPairBlock == 0;
 }
 
-/// Puts each 16-element block of `row` (width a multiple of 16) in paired order: its 8
-/// even-indexed elements, then its 8 odd-indexed ones.
+/// Whether score_rows can read rows of `width` elements of storage S in pairs (AVX2 and
+/// AVX-512), the query then in paired order.
+template <class T, class S>
+constexpr bool paired_score_rows(Index width) {
+  return kHavePairedScoreBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
+         width > 0 && width % kPairBlock == 0;
+}
+
+/// Puts each kPairBlock-element block of `row` (width a multiple of kPairBlock) in
+/// paired order: its even-indexed elements, then its odd-indexed ones.
 template <class T>
 void to_paired(T* row, Index width) {
-  for (Index j = 0; j + 16 <= width; j += 16) {
-    T block[16];
-    for (Index k = 0; k < 16; ++k) block[k] = row[j + k];
-    for (Index k = 0; k < 8; ++k) {
+  constexpr Index half = kPairBlock / 2;
+  for (Index j = 0; j + kPairBlock <= width; j += kPairBlock) {
+    T block[kPairBlock];
+    for (Index k = 0; k < kPairBlock; ++k) block[k] = row[j + k];
+    for (Index k = 0; k < half; ++k) {
       row[j + k] = block[2 * k];
-      row[j + 8 + k] = block[2 * k + 1];
+      row[j + half + k] = block[2 * k + 1];
     }
   }
 }
@@ -178,12 +213,13 @@ void to_paired(T* row, Index width) {
 /// The inverse of to_paired.
 template <class T>
 void from_paired(T* row, Index width) {
-  for (Index j = 0; j + 16 <= width; j += 16) {
-    T block[16];
-    for (Index k = 0; k < 16; ++k) block[k] = row[j + k];
-    for (Index k = 0; k < 8; ++k) {
+  constexpr Index half = kPairBlock / 2;
+  for (Index j = 0; j + kPairBlock <= width; j += kPairBlock) {
+    T block[kPairBlock];
+    for (Index k = 0; k < kPairBlock; ++k) block[k] = row[j + k];
+    for (Index k = 0; k < half; ++k) {
       row[j + 2 * k] = block[k];
-      row[j + 2 * k + 1] = block[8 + k];
+      row[j + 2 * k + 1] = block[half + k];
     }
   }
 }
