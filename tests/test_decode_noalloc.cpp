@@ -216,7 +216,7 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
   SECTION("MLA") {
     const auto layer = MlaLayer<float>::random(small_mla(), 4);
     const MlaConfig& c = layer.config();
-    CHECK(detail::plan_split(1, c.n_heads, c.kv_rank, 1000, layer.decode_tile(), 0, 2).splits == 2);
+    CHECK(detail::plan_split(1, c.n_heads, c.kv_rank, 1000, layer.decode_tile(), 0, 2).splits >= 2);
     check_every_storage_and_thread_count(layer, 1000);
     check_quantized_storage(layer, 1000);
   }

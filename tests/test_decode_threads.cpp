@@ -232,8 +232,8 @@ TEST_CASE("MLA attend/decode at 1, 2, 3 and all threads equal the reference", "[
   const auto layer = MlaLayer<float>::random(small_mla(), 200);
   // The chosen length does exercise the sequence split at 2 and 3 threads.
   const MlaConfig& c = layer.config();
-  CHECK(detail::plan_split(1, c.n_heads, c.kv_rank, 2000, layer.decode_tile(), 0, 2).splits == 2);
-  CHECK(detail::plan_split(1, c.n_heads, c.kv_rank, 2000, layer.decode_tile(), 0, 3).splits == 3);
+  CHECK(detail::plan_split(1, c.n_heads, c.kv_rank, 2000, layer.decode_tile(), 0, 2).splits >= 2);
+  CHECK(detail::plan_split(1, c.n_heads, c.kv_rank, 2000, layer.decode_tile(), 0, 3).splits >= 3);
   for (const Index length : kLengths) check_against_reference(layer, length, 210 + length);
 }
 
@@ -294,7 +294,7 @@ TEST_CASE("windows, sinks, sink logits and soft-caps over a split sequence equal
     const auto layer = GqaLayer<float>::random(config, seed++);
     CHECK(detail::plan_split(1, 4, 64, 5000, layer.decode_tile(), 0, 2,
                              detail::AttentionSpan::of(config))
-              .splits == 2);
+              .splits >= 2);
     check_against_reference(layer, 5000, seed);
   }
   for (const MlaConfig& config : with_spans(small_mla(), 1500)) {
@@ -302,7 +302,7 @@ TEST_CASE("windows, sinks, sink logits and soft-caps over a split sequence equal
     const auto layer = MlaLayer<float>::random(config, seed++);
     CHECK(detail::plan_split(1, config.n_heads, config.kv_rank, 2000, layer.decode_tile(), 0, 3,
                              detail::AttentionSpan::of(config))
-              .splits == 3);
+              .splits >= 3);
     check_against_reference(layer, 2000, seed);
   }
   for (const LrkvConfig& config : with_spans(small_lrkv(LrkvRopeMode::shared, true), 300)) {

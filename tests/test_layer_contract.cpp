@@ -142,7 +142,7 @@ void check_concurrent_attend(const Layer& layer, Index tokens, Index groups) {
   if (groups < 2) {
     const auto plan = detail::plan_split(groups, 1, 1, tokens, layer.decode_tile(), 0, 2);
     CAPTURE(tokens, layer.decode_tile());
-    REQUIRE(plan.splits == 2);
+    REQUIRE(plan.splits >= 2);
   }
   auto cache = layer.make_cache();
   layer.prefill(test::random_input<T>(tokens, layer.config().d_model, 3), cache);

@@ -65,6 +65,12 @@ struct SplitPlan {
 /// of streaming (GQA's 1 MiB tiles) still splits a few thousand tokens across threads.
 constexpr Index split_granule(Index tile) { return std::min<Index>(tile, 256); }
 
+/// Sequence ranges per thread when the sequence is split: more ranges than threads,
+/// taken dynamically, so that a thread that runs slower (its core shared on the host,
+/// its half of the cache slower to stream) takes fewer ranges instead of holding the
+/// other up at the step's end (flash-decoding's over-decomposition).
+inline constexpr Index kSplitsPerThread = 4;
+
 /// Splits the visible tokens only when groups alone cannot keep every thread busy, and
 /// never into ranges shorter than four granules (the merge is not free).
 inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index length, Index tile,
@@ -80,7 +86,7 @@ inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index len
   plan.visible = visible_tokens(span, length);
   plan.softcap = span.softcap;
   if (plan.threads > 1 && groups < plan.threads) {
-    plan.max_splits = (plan.threads + groups - 1) / groups;
+    plan.max_splits = kSplitsPerThread * ((plan.threads + groups - 1) / groups);
     const Index by_length = std::max<Index>(1, plan.visible.count() / (4 * split_granule(tile)));
     plan.splits = std::min(plan.max_splits, by_length);
   }
@@ -201,7 +207,7 @@ void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops&
 #ifdef _OPENMP
   if (plan.threads > 1) {
     const Index units = plan.units();
-#pragma omp parallel for num_threads(plan.threads) schedule(static)
+#pragma omp parallel for num_threads(plan.threads) schedule(dynamic, 1)
     for (Index unit = 0; unit < units; ++unit) run_unit(unit, omp_get_thread_num());
   } else
 #endif
