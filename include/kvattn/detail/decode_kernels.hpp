@@ -169,6 +169,10 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
         for (int m = 0; m < M; ++m) {
           q_even[m] = ei::ploadu<Packet<T>>(q + m * q_stride + j);
           q_odd[m] = ei::ploadu<Packet<T>>(q + m * q_stride + j + P);
+          // Held in registers: GCC otherwise folds each into every FMA that uses it,
+          // a load per FMA, and the block ran at 14.9 ns per token instead of 7.7.
+          keep_in_register(q_even[m]);
+          keep_in_register(q_odd[m]);
         }
         KVATTN_UNROLL
         for (int b = 0; b < B; ++b) {
