@@ -25,6 +25,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kvattn/core/types.hpp"
@@ -72,7 +74,37 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
         for (int b = 0; b < TB; ++b) acc0[b] = acc1[b] = ei::pset1<Pk>(T(0));
         if (t0 + b0 < n) {
           const T* q = query_t + c0;
-          for (Index j = 0; j < dh; ++j, q += hp) {
+          Index j = 0;
+#if defined(EIGEN_VECTORIZE_AVX512)
+          if constexpr (std::is_same_v<S, Eigen::bfloat16> && std::is_same_v<T, float>) {
+            // bf16 keys two elements at a time: one 32-bit broadcast holds k_j (low half)
+            // and k_j+1 (high half) in every lane, widened by a shift and a mask (3
+            // operations per 2 elements, where a scalar widen and broadcast took 4 per
+            // element; kernel-only, 32 heads, 64 hot tokens: 90 -> 82 ns per token).
+            for (; j + 1 < dh; j += 2, q += 2 * hp) {
+              if (prefetch != nullptr) {
+                prefetch->step();
+                prefetch->step();
+              }
+              const Pk q0 = ei::ploadu<Pk>(q);
+              const Pk q1 = pair ? ei::ploadu<Pk>(q + P) : q0;
+              const Pk q0_next = ei::ploadu<Pk>(q + hp);
+              const Pk q1_next = pair ? ei::ploadu<Pk>(q + hp + P) : q0_next;
+              KVATTN_UNROLL
+              for (int b = 0; b < TB; ++b) {
+                std::int32_t both;
+                std::memcpy(&both, row[b] + j, sizeof both);
+                const RawBf16 raw = _mm512_set1_epi32(both);
+                const Pk k = bf16_even(raw), k_next = bf16_odd(raw);
+                acc0[b] = ei::pmadd(k, q0, acc0[b]);
+                acc1[b] = ei::pmadd(k, q1, acc1[b]);
+                acc0[b] = ei::pmadd(k_next, q0_next, acc0[b]);
+                acc1[b] = ei::pmadd(k_next, q1_next, acc1[b]);
+              }
+            }
+          }
+#endif
+          for (; j < dh; ++j, q += hp) {
             if (prefetch != nullptr) prefetch->step();
             const Pk q0 = ei::ploadu<Pk>(q);
             const Pk q1 = pair ? ei::ploadu<Pk>(q + P) : q0;
