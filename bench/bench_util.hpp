@@ -56,6 +56,7 @@ void register_lrkv();
 void register_prefill();
 void register_serving();
 void register_window();
+void register_kernels();
 
 // ---- Limits: read-only pass and dense GEMM -------------------------------------------
 

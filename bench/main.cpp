@@ -79,8 +79,12 @@
 //       that holds the last 4,096 of them (docs/serving.md § Windows). Untimed after each
 //       step: the global layer's attend over a contiguous cache of 4,096 tokens (what
 //       decode/<mech>/L:4096 times). Counter vs_decode_W. (Smoke mode: W:16 of 64.)
+//   kernel/<kernel>/<fp32|bf16>         one decode kernel alone over 4 hot tiles of 16
+//       cached rows (L2-resident; bench_kernels.cpp): lrkv_score, lrkv_values_shared,
+//       lrkv_values_residual (LRKV's shape above). Counters ns_per_token, fma_peak and
+//       fma_frac only (below); no memory stream, so what they time is the arithmetic and the loads.
 //
-// COUNTERS (every benchmark above; "step" = one timed iteration)
+// COUNTERS (every benchmark above but kernel/; "step" = one timed iteration)
 //   bytes             bytes the step must read: the cache (cache_bytes) plus the
 //                     weights it reads. decode*: GQA family the cache only; MLA the
 //                     latent rows (d_c + d_R per token) + W_UK + W_UV; LRKV the key and
@@ -151,6 +155,15 @@
 //                     step's: max(bytes / bw_ref, flops / flop_ref) of each, the separate
 //                     calls reading every sequence's cache and every weight B times: the
 //                     most reading the prefix once can gain.
+//   ns_per_token      (kernel/) the kernel's time per cached row it passes over.
+//   fma_peak          (kernel/) FLOP/s of one thread's FMA units: 12 independent chains
+//                     of packet FMAs, nothing loaded, best of 5 (flop_ref's GEMM reaches
+//                     about 2/3 of it on the AVX-512 VM). A bound only in builds with
+//                     FMA instructions (-mfma, -march=native); without them it is a
+//                     latency-bound multiply and add, and fma_frac can exceed 1.
+//   fma_frac          (kernel/) the kernel's FLOPs (2 per multiply-add: score 2 H (d_h + r),
+//                     values 2 H d_h and 2 H r per row) per second / fma_peak: 1.0 = the
+//                     FMA units' bound.
 //   (serving rows: bytes = the caches' bytes, each shared page once, + the weights the
 //   step reads, once; flops = the sum of the sequences' layer_decode formulas.)
 //
@@ -210,6 +223,7 @@ int main(int argc, char** argv) {
   kvb::register_prefill();
   kvb::register_serving();
   kvb::register_window();
+  kvb::register_kernels();
   kvb::calibrate_gemm();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
