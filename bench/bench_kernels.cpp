@@ -66,6 +66,47 @@ double fma_peak_rate() {
 
 enum class LrkvKernel { score, values_shared, values_residual };
 
+// Smoke mode (one iteration): what the kernel wrote against plain loops over the same
+// rows, so the rows time the arithmetic they name: the score of the last tile, the
+// value accumulators summed over the 4 tiles (in order again where they are paired).
+void check_lrkv_kernel(benchmark::State& state, LrkvKernel kernel, const Mat& rows,
+                       const Mat& query_t, const Mat& query_latent, const Mat& weights,
+                       const Mat& logits, const Mat& acc, bool paired) {
+  Mat got(kHeads, kernel == LrkvKernel::score ? kTile : kHeadDim + kRank);
+  Mat expected = Mat::Zero(got.rows(), got.cols());
+  for (Index h = 0; h < kHeads; ++h) {
+    if (kernel == LrkvKernel::score) {
+      const Index t0 = kHotTokens - kTile;
+      for (Index t = 0; t < kTile; ++t) {
+        double sum = 0;
+        for (Index j = 0; j < kHeadDim; ++j) sum += double(query_t(j, h)) * rows(t0 + t, j);
+        for (Index j = 0; j < kRank; ++j) {
+          sum += double(query_latent(h, j)) * rows(t0 + t, kHeadDim + h * kRank + j);
+        }
+        expected(h, t) = static_cast<float>(sum);
+        got(h, t) = logits(h, t);
+      }
+      continue;
+    }
+    const bool shared = kernel == LrkvKernel::values_shared;
+    const Index first = shared ? 0 : kHeadDim, width = shared ? kHeadDim : kRank;
+    const Index column = shared ? 0 : kHeadDim + h * kRank;
+    for (Index c = 0; c < width; ++c) {
+      double sum = 0;
+      for (Index t = 0; t < kHotTokens; ++t) {
+        sum += double(weights(h, t % kTile)) * rows(t, column + c);
+      }
+      expected(h, first + c) = static_cast<float>(sum);
+    }
+    got.row(h) = acc.row(h);
+    if (shared && paired) kvattn::detail::from_paired(got.row(h).data(), kHeadDim);
+  }
+  const double error = relative_error(got, expected);
+  if (!(error < 1e-4)) {
+    fail(state, "kernel output differs from a plain loop: relative error " + std::to_string(error));
+  }
+}
+
 template <class S>
 void lrkv_kernel(benchmark::State& state, LrkvKernel kernel) {
   constexpr Index P = kvattn::detail::packet_size<float>;
@@ -78,7 +119,7 @@ void lrkv_kernel(benchmark::State& state, LrkvKernel kernel) {
   query_t.leftCols(kHeads) = kvattn::random_normal<float>(kHeadDim, kHeads, rng);
   const Mat query_latent = kvattn::random_normal<float>(kHeads, kRank, rng);
   Mat weights = kvattn::random_normal<float>(kHeads, kTile, rng).cwiseAbs() * 1e-3f;
-  Mat logits = Mat::Zero(kHeads, kTile + P);
+  Mat logits = Mat::Zero(kHeads, kTile + P);  // ld kTile + P: lrkv_score writes whole packets
   Mat acc = Mat::Zero(kHeads, kHeadDim + kRank);
   const bool paired = kvattn::detail::paired_rows<float, S>(kHeadDim);
 
@@ -121,6 +162,9 @@ void lrkv_kernel(benchmark::State& state, LrkvKernel kernel) {
     benchmark::ClobberMemory();
     elapsed += std::chrono::steady_clock::now() - start;
   }
+  if (smoke())
+    check_lrkv_kernel(state, kernel, rows.template cast<float>(), query_t, query_latent, weights,
+                      logits, acc, paired);
   const double tokens = static_cast<double>(kHotTokens) * static_cast<double>(state.iterations());
   const double seconds = std::chrono::duration<double>(elapsed).count();
   state.counters["ns_per_token"] = seconds / tokens * 1e9;

@@ -82,7 +82,8 @@
 //   kernel/<kernel>/<fp32|bf16>         one decode kernel alone over 4 hot tiles of 16
 //       cached rows (L2-resident; bench_kernels.cpp): lrkv_score, lrkv_values_shared,
 //       lrkv_values_residual (LRKV's shape above). Counters ns_per_token, fma_peak and
-//       fma_frac only (below); no memory stream, so what they time is the arithmetic and the loads.
+//       fma_frac only (below); no memory stream, so what they time is the arithmetic and
+//       the loads. Smoke mode checks their output against plain loops.
 //
 // COUNTERS (every benchmark above but kernel/; "step" = one timed iteration)
 //   bytes             bytes the step must read: the cache (cache_bytes) plus the
