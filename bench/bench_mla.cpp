@@ -205,6 +205,12 @@ void register_mla() {
   }
   add_decode<MlaMech, Eigen::bfloat16>("decode_bf16", lite, {16384, 65536}, threads);
   add_decode<MlaMech, Eigen::bfloat16>("decode_bf16", v2, {16384, 65536}, threads);
+  // The same steps with DecodeArithmetic::bf16_dot (where the build has AVX512-BF16; else
+  // the same code as decode_bf16/).
+  for (MlaMech m : {lite, v2}) {
+    m.arithmetic = kvattn::DecodeArithmetic::bf16_dot;
+    add_decode<MlaMech, Eigen::bfloat16>("decode_bf16dot", m, {16384, 65536}, threads);
+  }
   for (const MlaMech& m : {lite, v2}) {  // after decode_bf16/: vs_bf16 reads its times
     add_decode<MlaMech, kvattn::Int8<128>>("decode_int8", m, {65536}, threads);
     add_decode<MlaMech, kvattn::Fp8E4M3<128>>("decode_fp8", m, {65536}, threads);

@@ -37,6 +37,11 @@
 //   decode_bf16/<mech>/L:<L>/T:<T>      the same step as decode/ on a bf16 cache
 //       (make_cache<Eigen::bfloat16>): mha at L 4096, 16384 and 65536, the others at
 //       16384 and 65536.
+//   decode_bf16dot/<mla|mla_v2>/L:<L>/T:<T>  decode_bf16/'s step with the layer's
+//       DecodeArithmetic::bf16_dot (the absorbed query rounded to bf16, scored by the CPU's
+//       bf16 dot-product instruction where the build has AVX512-BF16, else the same code
+//       as decode_bf16/); L 16384 and 65536. Smoke mode checks it against the reference
+//       to the stated 2^-6 (docs/api.md), not 2e-3.
 //   decode_int8/<mech>/L:65536/T:<T>    the same step on an int8 cache (kvattn::Int8<128>:
 //       int8 codes, one fp32 scale per 128-element row; MLA's rope key in bf16); all six
 //       mechanisms. bytes include the scales. Counters vs_bf16, vs_bf16_goal.
@@ -217,6 +222,7 @@ int main(int argc, char** argv) {
   // The vector instruction set kvattn's kernels were compiled for (core/simd.hpp): the
   // report names it, as numbers from different ISAs are not comparable.
   benchmark::AddCustomContext("simd_level", kvattn::simd_level());
+  benchmark::AddCustomContext("bf16_dot", kvattn::bf16_dot_available() ? "yes" : "no");
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   kvb::register_gqa();
   kvb::register_mla();

@@ -29,13 +29,23 @@ struct MlaMech {
 
   std::string name;
   kvattn::MlaConfig config;
+  // The layer's DecodeArithmetic (decode_bf16dot/ rows: bf16_dot).
+  kvattn::DecodeArithmetic arithmetic = kvattn::DecodeArithmetic::fp32;
 
   bool has_naive() const { return true; }
   /// The latent rows [c | k_R] every head reads: L (d_c + d_R) elements.
   double block_bytes(Index L, std::size_t storage) const {
     return static_cast<double>(L) * (dc() + dr()) * static_cast<double>(storage);
   }
-  Layer make_layer() const { return Layer::random(config, 1); }
+  Layer make_layer() const {
+    Layer layer = Layer::random(config, 1);
+    layer.set_decode_arithmetic(arithmetic);
+    return layer;
+  }
+  /// The key of the layer's shared instance (bench_util.hpp: shared_layer).
+  std::string layer_key() const {
+    return arithmetic == kvattn::DecodeArithmetic::bf16_dot ? name + "/bf16_dot" : name;
+  }
   template <class S>
   std::shared_ptr<kvattn::PagePool> make_page_pool(Index page_tokens, Index pages) const {
     return kvattn::make_mla_page_pool<S>(config, page_tokens, pages);

@@ -8,6 +8,8 @@
 #   kvattn_avx512     -march=x86-64-v4, for the tests of the AVX-512 kernels (x86-64
 #                     GCC/Clang that accept the flag; defined only then)
 #   kvattn_avx2       -mavx2 -mfma, for the tests of the AVX2 kernels (likewise)
+#   kvattn_avx512bf16 -march=x86-64-v4 -mavx512bf16, for the tests of the bf16 dot-product
+#                     kernel (likewise)
 #
 # kvattn_project_target(<target>) links both into a target.
 include_guard(GLOBAL)
@@ -96,6 +98,12 @@ if(NOT MSVC AND CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   if(KVATTN_HAVE_MARCH_X86_64_V4)
     add_library(kvattn_avx512 INTERFACE)
     target_compile_options(kvattn_avx512 INTERFACE -march=x86-64-v4 ${_kvattn_avx512_quiet})
+  endif()
+  check_cxx_compiler_flag(-mavx512bf16 KVATTN_HAVE_MAVX512BF16)
+  if(KVATTN_HAVE_MARCH_X86_64_V4 AND KVATTN_HAVE_MAVX512BF16)
+    add_library(kvattn_avx512bf16 INTERFACE)
+    target_compile_options(kvattn_avx512bf16 INTERFACE -march=x86-64-v4 -mavx512bf16
+                                                       ${_kvattn_avx512_quiet})
   endif()
   check_cxx_compiler_flag(-mavx2 KVATTN_HAVE_MAVX2)
   check_cxx_compiler_flag(-mfma KVATTN_HAVE_MFMA)

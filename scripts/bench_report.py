@@ -17,8 +17,8 @@ Benchmark names it understands (Google Benchmark ArgNames, a trailing
 
     <family>/<mech>/L:<L>/T:<threads>
 
-with family one of decode, decode_bf16, decode_int8, decode_fp8, decode_naive, decode_precached,
-decode_expanded, layer_decode, prefill, and `ref/...` for reference probes
+with family one of decode, decode_bf16, decode_bf16dot, decode_int8, decode_fp8, decode_naive,
+decode_precached, decode_expanded, layer_decode, prefill, and `ref/...` for reference probes
 (appendix only). Counters read from each entry: bytes_per_second, flops, bytes,
 cache_bytes, block_bytes, bw_ref, flop_ref, roofline_frac, vs_naive. Any of them
 may be missing ("–"). The context's `simd_level` (kvattn::simd_level(), added by
@@ -55,6 +55,7 @@ FAMILIES = [
     "decode",
     "decode_naive",
     "decode_bf16",
+    "decode_bf16dot",
     "decode_int8",
     "decode_fp8",
     "decode_precached",
@@ -63,7 +64,7 @@ FAMILIES = [
     "prefill",
 ]
 # Families whose rows get a "speedup vs expanded" (a decode step of some kind).
-DECODE_LIKE = {"decode", "decode_bf16", "decode_int8", "decode_fp8", "decode_naive",
+DECODE_LIKE = {"decode", "decode_bf16", "decode_bf16dot", "decode_int8", "decode_fp8", "decode_naive",
                "decode_precached", "layer_decode"}
 # Memory-bound and compute-bound decode mechanisms (the roofline targets).
 MEMORY_BOUND = ("mha", "gqa", "lrkv")

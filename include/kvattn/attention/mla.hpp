@@ -47,10 +47,12 @@
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
+#include "kvattn/core/simd.hpp"
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/core/yarn.hpp"
 #include "kvattn/detail/batch_attention.hpp"
+#include "kvattn/detail/bf16_dot_kernels.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/quantized_kernels.hpp"
@@ -176,6 +178,8 @@ class MlaLayer {
     RowMatrix<T> latent_heads;      // H x d_c        o-bar_h = sum_t a_h,t c_t
     RowVector<T> heads;             // 1 x H*d_v      o_h = o-bar_h W_UV_h, all heads
     detail::SplitScratch<T> split;  // partial softmax states per thread
+    // absorbed (batch_absorbed) rounded to bf16, for DecodeArithmetic::bf16_dot.
+    RowMatrix<Eigen::bfloat16> absorbed_bf16, batch_absorbed_bf16;
     // decode_batch: B rows of the same (absorbed and latent_heads: B*H rows), and the
     // batch's units and states.
     RowMatrix<T> batch_q_latent, batch_query, batch_latent, batch_rope_key, batch_absorbed,
@@ -203,6 +207,13 @@ class MlaLayer {
   const Rope& rope() const { return rope_; }
   /// The scale multiplying every logit: 1/sqrt(d_nope + d_R) * m^2, stored explicitly.
   T softmax_scale() const { return scale_; }
+  /// How decode, decode_batch and attend score a bf16 cache (core/simd.hpp): `bf16_dot`
+  /// rounds the absorbed query to bf16 and scores with the CPU's bf16 dot-product
+  /// instruction where the build has it (docs/api.md, "bf16 dot products"); the default,
+  /// `fp32`, scores in float. Other caches and the expanded paths are unaffected. Not
+  /// synchronized: set it before the layer is shared between threads.
+  void set_decode_arithmetic(DecodeArithmetic arithmetic) { arithmetic_ = arithmetic; }
+  DecodeArithmetic decode_arithmetic() const { return arithmetic_; }
   /// Columns of attend's query: H * (d_nope + d_R), head h's [q_h^nope | q_h^R] in
   /// columns [h*(d_nope+d_R), (h+1)*(d_nope+d_R)).
   Index query_width() const { return config_.query_width(); }
@@ -537,17 +548,29 @@ class MlaLayer {
     });
     // Sources 0 ... B-1: the sequences; source B: the shared prefix, every sequence's
     // heads at once (read through the first cache).
+    const Eigen::bfloat16* rounded =
+        absorbed_bf16<Cache>(ws.batch_absorbed, ws.batch_absorbed_bf16);
     detail::run_batch(ws.batch, [&](Index source) {
       if (source == batch) {
-        return DecodeOps<Cache>{*caches[0], ws.batch_absorbed.data(), batch * H, dc, width};
+        return DecodeOps<Cache>{*caches[0], ws.batch_absorbed.data(), batch * H, dc, width,
+                                rounded};
       }
       return DecodeOps<Cache>{*caches[static_cast<std::size_t>(source)],
-                              ws.batch_absorbed.data() + source * H * width, H, dc, width};
+                              ws.batch_absorbed.data() + source * H * width,
+                              H,
+                              dc,
+                              width,
+                              rounded != nullptr ? rounded + source * H * width : nullptr};
     });
     detail::finish_batch(ws.batch, ws.batch_latent_heads.data());
     if (detail::paired_rows<T, S>(dc)) {
       for (Index r = 0; r < batch * H; ++r)
         detail::from_paired(ws.batch_latent_heads.row(r).data(), dc);
+    }
+    if (rounded != nullptr && dot_values(dc)) {
+      for (Index r = 0; r < batch * H; ++r) {
+        detail::from_bf16_dot_order(ws.batch_latent_heads.row(r).data(), dc);
+      }
     }
     // o_h = o-bar_h W_UV_h for all B rows of head h at once.
     detail::parallel_for(H, thread_count, [&](Index h) {
@@ -655,6 +678,7 @@ class MlaLayer {
     detail::reshape(ws.latent, c.kv_rank);
     detail::reshape(ws.rope_key, c.rope_dim);
     detail::reshape(ws.absorbed, c.n_heads, width);
+    detail::reshape(ws.absorbed_bf16, uses_bf16_dot() ? c.n_heads : 0, width);
     detail::reshape(ws.latent_heads, c.n_heads, c.kv_rank);
     detail::reshape(ws.heads, c.n_heads * c.v_dim);
     const auto plan =
@@ -674,6 +698,8 @@ class MlaLayer {
     detail::reshape(ws.batch_latent, batch, c.kv_rank);
     detail::reshape(ws.batch_rope_key, batch, c.rope_dim);
     detail::reshape(ws.batch_absorbed, batch * c.n_heads, c.cache_elements_per_token());
+    detail::reshape(ws.batch_absorbed_bf16, uses_bf16_dot() ? batch * c.n_heads : 0,
+                    c.cache_elements_per_token());
     detail::reshape(ws.batch_latent_heads, batch * c.n_heads, c.kv_rank);
     detail::reshape(ws.batch_heads, batch, heads_width());
     auto& b = ws.batch;
@@ -689,6 +715,33 @@ class MlaLayer {
     b.fit(batch * c.n_heads, threads);
   }
 
+  // Whether the absorbed score of a Cache can take the bf16 dot kernel: plain (not
+  // quantized) bf16 rows, float queries, a build with the instruction.
+  template <class Cache>
+  static constexpr bool bf16_dot_cache = detail::kHaveBf16Dot&& std::is_same_v<T, float>&&
+      std::is_same_v<typename Cache::storage_type, Eigen::bfloat16>;
+  // Whether the value pass of a bf16 dot step takes the dot kernel too (whole chunks of
+  // 32 latent columns; else it widens the rows as with fp32).
+  static constexpr bool dot_values(Index kv_rank) { return kv_rank % 32 == 0; }
+  bool uses_bf16_dot() const {
+    return detail::kHaveBf16Dot && std::is_same_v<T, float> &&
+           arithmetic_ == DecodeArithmetic::bf16_dot;
+  }
+  // The absorbed queries rounded into `rounded` (sized by prepare) when this step takes
+  // the bf16 dot kernel, else null.
+  template <class Cache>
+  const Eigen::bfloat16* absorbed_bf16(const RowMatrix<T>& absorbed,
+                                       RowMatrix<Eigen::bfloat16>& rounded) const {
+    if constexpr (bf16_dot_cache<Cache>) {
+      if (uses_bf16_dot()) {
+        detail::round_to_bf16(absorbed.data(), absorbed.size(), rounded.data());
+        return rounded.data();
+      }
+    }
+    (void)absorbed, (void)rounded;
+    return nullptr;
+  }
+
   // All heads against a tile of cached rows [c_t | k_R,t] (one group: every head
   // shares the rows); the values are the rows' latent columns. The accumulate re-reads
   // the tile from L1/L2 (it was just scored), so the two phases together prefetch the
@@ -702,6 +755,8 @@ class MlaLayer {
     Index heads;
     Index kv_rank;
     Index width;  // d_c + d_R
+    // absorbed rounded to bf16 (DecodeArithmetic::bf16_dot on a bf16 cache), or null.
+    const Eigen::bfloat16* absorbed_bf16 = nullptr;
 
     // The half of the next tile's bytes phase `half` (0: score, 1: accumulate) prefetches
     // (a quantized cache: its latent rows, then its rope rows).
@@ -733,6 +788,13 @@ class MlaLayer {
                            cache.rope_stride(), 0, n, logits, ld, true);
       } else {
         (void)spare;
+        if constexpr (bf16_dot_cache<Cache>) {
+          if (absorbed_bf16 != nullptr) {
+            detail::score_rows_bf16_dot(absorbed_bf16, width, heads, width, cache.latent_row(first),
+                                        width, n, logits, ld, &next);
+            return;
+          }
+        }
         detail::score_rows(absorbed, width, heads, width, cache.latent_row(first), width, 0, n,
                            logits, ld, false, &next);
       }
@@ -745,6 +807,14 @@ class MlaLayer {
                                            cache.latent_stride(), kv_rank, n, acc, kv_rank,
                                            kTokenBlock, &next, spare);
       } else {
+        if constexpr (bf16_dot_cache<Cache>) {
+          if (absorbed_bf16 != nullptr && dot_values(kv_rank)) {
+            detail::accumulate_rows_bf16_dot(weights, ld, heads, cache.latent_row(first), width,
+                                             kv_rank, n, acc, kv_rank,
+                                             reinterpret_cast<Eigen::bfloat16*>(spare), &next);
+            return;
+          }
+        }
         (void)spare;
         detail::accumulate_rows(weights, ld, heads, cache.latent_row(first), width, 0, kv_rank, n,
                                 acc, kv_rank, kTokenBlock, &next,
@@ -776,12 +846,18 @@ class MlaLayer {
       ws.absorbed.row(h).tail(dr) = scale_ * ws.query.segment(h * qd + dn, dr);
     });
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
-    const DecodeOps<Cache> ops{cache, ws.absorbed.data(), c.n_heads, dc,
-                               c.cache_elements_per_token()};
+    const DecodeOps<Cache> ops{
+        cache, ws.absorbed.data(),           c.n_heads,
+        dc,    c.cache_elements_per_token(), absorbed_bf16<Cache>(ws.absorbed, ws.absorbed_bf16)};
     detail::split_attention(plan, ws.split, ops, ws.latent_heads.data(),
                             row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
     if (detail::paired_rows<T, S>(dc)) {  // bf16 latents were summed in pairs
       for (Index h = 0; h < c.n_heads; ++h) detail::from_paired(ws.latent_heads.row(h).data(), dc);
+    }
+    if (ops.absorbed_bf16 != nullptr && dot_values(dc)) {  // ... or by the dot kernel
+      for (Index h = 0; h < c.n_heads; ++h) {
+        detail::from_bf16_dot_order(ws.latent_heads.row(h).data(), dc);
+      }
     }
     // 3. Up-project each head's latent output by its own W_UV_h: o_h = o-bar_h W_UV_h.
     detail::parallel_for(c.n_heads, threads, [&](Index h) {
@@ -969,6 +1045,7 @@ class MlaLayer {
   MlaWeights<T> weights_;
   Rope rope_;
   T scale_ = T(1);
+  DecodeArithmetic arithmetic_ = DecodeArithmetic::fp32;
 };
 
 static_assert(AttentionLayer<MlaLayer<float>>);
