@@ -6,10 +6,12 @@
 // the avx512bf16 level (tests/CMakeLists.txt), where the kernel runs.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "attend_util.hpp"
@@ -211,6 +213,32 @@ TEST_CASE("MLA decodes a bf16 cache with bf16 dot products to the stated accurac
         }
       }
     }
+  }
+}
+
+TEST_CASE("MLA's bf16 dot products work on a paged bf16 cache", "[bf16_dot][mla][paged]") {
+  auto layer = MlaLayer<float>::random(small_mla(128, 16), 70);
+  layer.set_decode_arithmetic(DecodeArithmetic::bf16_dot);
+  const auto dlayer = to_double(layer);
+  const MlaConfig& c = layer.config();
+  const Index length = 500;  // pages of 48 tokens: tiles cut at every page's end
+  const MatF latent = random_input<float>(length, c.kv_rank, 71);
+  const MatF rope_keys = random_input<float>(length, c.rope_dim, 72);
+  PagedMlaCache<float, bf16> paged(c, make_mla_page_pool<bf16>(c, 48, 16));
+  paged.append(latent, rope_keys);
+  auto contiguous = layer.make_cache<bf16>();
+  contiguous.append(latent, rope_keys);
+  auto stored = dlayer.make_cache();
+  stored.append(contiguous.latent().cast<double>(), contiguous.rope_keys().cast<double>());
+  const MatF query = random_input<float>(1, c.query_width(), 73);
+  const MatD want = reference::decode_step(dlayer, stored, query.cast<double>());
+  for (const Threads threads : {Threads{1}, Threads{2}}) {
+    RowVector<float> heads(layer.heads_width());
+    layer.attend(query, paged, heads, threads);
+    const double error = relative_error(heads, want);
+    CAPTURE(threads.count, error);
+    CHECK(error <= kBf16DotTolerance);
+    if constexpr (bf16_dot_available()) CHECK(error >= 1e-5);
   }
 }
 

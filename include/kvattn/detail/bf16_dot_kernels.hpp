@@ -227,9 +227,11 @@ void accumulate_rows_bf16_dot(const T* w, Index ld, Index G, const Eigen::bfloat
     // Register blocks of 16 x 2 accumulators: 4 rows x 2 chunks (64 columns), 2 x 4, 1 x 8.
     const Index pairs = (n + 1) / 2, rest = G % 4;
     if (prefetch != nullptr) {
-      const Index blocks = G / 4 * ((chunks + 1) / 2) + (rest >= 2 ? (chunks + 3) / 4 : 0) +
-                           (rest % 2 == 1 ? (chunks + 7) / 8 : 0);
-      prefetch->plan(blocks * pairs);
+      // Blocks of C chunks, then one per chunk left over (bf16_dot_accumulate_rows).
+      auto blocks = [chunks](Index C) { return chunks / C + chunks % C; };
+      const Index all =
+          G / 4 * blocks(2) + (rest >= 2 ? blocks(4) : 0) + (rest % 2 == 1 ? blocks(8) : 0);
+      prefetch->plan(all * pairs);
     }
     Index i0 = 0;
     for (; i0 + 4 <= G; i0 += 4) {
