@@ -555,12 +555,10 @@ class MlaLayer {
         return DecodeOps<Cache>{*caches[0], ws.batch_absorbed.data(), batch * H, dc, width,
                                 rounded};
       }
-      return DecodeOps<Cache>{*caches[static_cast<std::size_t>(source)],
-                              ws.batch_absorbed.data() + source * H * width,
-                              H,
-                              dc,
-                              width,
-                              rounded != nullptr ? rounded + source * H * width : nullptr};
+      const Index offset = source * H * width;
+      const Eigen::bfloat16* own = rounded != nullptr ? rounded + offset : nullptr;
+      const Cache& cache = *caches[static_cast<std::size_t>(source)];
+      return DecodeOps<Cache>{cache, ws.batch_absorbed.data() + offset, H, dc, width, own};
     });
     detail::finish_batch(ws.batch, ws.batch_latent_heads.data());
     if (detail::paired_rows<T, S>(dc)) {
@@ -718,8 +716,9 @@ class MlaLayer {
   // Whether the absorbed score of a Cache can take the bf16 dot kernel: plain (not
   // quantized) bf16 rows, float queries, a build with the instruction.
   template <class Cache>
-  static constexpr bool bf16_dot_cache = detail::kHaveBf16Dot&& std::is_same_v<T, float>&&
-      std::is_same_v<typename Cache::storage_type, Eigen::bfloat16>;
+  static constexpr bool bf16_dot_cache =
+      (detail::kHaveBf16Dot && std::is_same_v<T, float> &&
+       std::is_same_v<typename Cache::storage_type, Eigen::bfloat16>);
   // Whether the value pass of a bf16 dot step takes the dot kernel too (whole chunks of
   // 32 latent columns; else it widens the rows as with fp32).
   static constexpr bool dot_values(Index kv_rank) { return kv_rank % 32 == 0; }
@@ -846,15 +845,15 @@ class MlaLayer {
       ws.absorbed.row(h).tail(dr) = scale_ * ws.query.segment(h * qd + dn, dr);
     });
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
-    const DecodeOps<Cache> ops{
-        cache, ws.absorbed.data(),           c.n_heads,
-        dc,    c.cache_elements_per_token(), absorbed_bf16<Cache>(ws.absorbed, ws.absorbed_bf16)};
+    const Eigen::bfloat16* rounded = absorbed_bf16<Cache>(ws.absorbed, ws.absorbed_bf16);
+    const Index width = c.cache_elements_per_token();
+    const DecodeOps<Cache> ops{cache, ws.absorbed.data(), c.n_heads, dc, width, rounded};
     detail::split_attention(plan, ws.split, ops, ws.latent_heads.data(),
                             row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
     if (detail::paired_rows<T, S>(dc)) {  // bf16 latents were summed in pairs
       for (Index h = 0; h < c.n_heads; ++h) detail::from_paired(ws.latent_heads.row(h).data(), dc);
     }
-    if (ops.absorbed_bf16 != nullptr && dot_values(dc)) {  // ... or by the dot kernel
+    if (rounded != nullptr && dot_values(dc)) {  // ... or by the dot kernel
       for (Index h = 0; h < c.n_heads; ++h) {
         detail::from_bf16_dot_order(ws.latent_heads.row(h).data(), dc);
       }
