@@ -9,7 +9,6 @@
 //   block_bytes(L, storage bytes)         the largest block one query head reads (one KV
 //                                         group's K and V; MLA's latent rows; LRKV's rows)
 //   make_layer()                          the layer (seed 1)
-//   layer_key()                           names that layer's shared instance
 //   d_model(), query_width(), heads_width()
 //   make_pool(rng, rows)                  random raw cache rows (kvattn::random_normal)
 //   fill(cache, L, pool)                  append L tokens: the pool's rows, cyclically
@@ -47,15 +46,27 @@ inline constexpr Index kPoolRows = 1024;
 /// Tolerance of the smoke-mode comparison of a factored step with the reference.
 inline constexpr double kCheckTolerance = 2e-3;
 
+/// Whether `mech`'s layer uses DecodeArithmetic::bf16_dot (a mechanism with an
+/// `arithmetic` member: MLA).
+template <class M>
+bool uses_bf16_dot(const M& mech) {
+  if constexpr (requires { mech.arithmetic; }) {
+    return mech.arithmetic == kvattn::DecodeArithmetic::bf16_dot;
+  }
+  return false;
+}
+
 /// The smoke check's tolerance for `mech`'s layer: kCheckTolerance, or the accuracy
-/// docs/api.md states for DecodeArithmetic::bf16_dot (4 bf16 units, 2^-6) where the
-/// layer rounds its query to bf16.
+/// docs/api.md states for DecodeArithmetic::bf16_dot (4 bf16 units, 2^-6).
 template <class M>
 double check_tolerance(const M& mech) {
-  if constexpr (requires { mech.arithmetic; }) {
-    if (mech.arithmetic == kvattn::DecodeArithmetic::bf16_dot) return 1.0 / 64.0;
-  }
-  return kCheckTolerance;
+  return uses_bf16_dot(mech) ? 1.0 / 64.0 : kCheckTolerance;
+}
+
+/// The key of `mech`'s shared layer instance (shared_layer) and of its recorded steps.
+template <class M>
+std::string layer_key(const M& mech) {
+  return uses_bf16_dot(mech) ? mech.name + "/bf16_dot" : mech.name;
 }
 
 /// The rotation slots of one benchmark: a layer (a private copy when the step reads
@@ -97,7 +108,7 @@ Slots<M, S> make_slots(const M& mech, const std::shared_ptr<const typename M::La
 
 template <class M>
 std::shared_ptr<const typename M::Layer> layer_of(const M& mech) {
-  return shared_layer<typename M::Layer>(mech.layer_key(), [&] { return mech.make_layer(); });
+  return shared_layer<typename M::Layer>(layer_key(mech), [&] { return mech.make_layer(); });
 }
 
 /// Adds the cache's buffers to `set`; fails the benchmark (false) unless they cover
@@ -260,7 +271,7 @@ void run_decode(benchmark::State& state, const M& mech, bool expanded) {
   // A quantized cache against the bf16 one of the same row (decode_bf16/, earlier in the
   // run): vs_bf16 = bf16 time / this time, its goal 0.85 x the ratio of their rooflines.
   // (Keyed by the layer: a decode_bf16dot/ row must not stand in for decode_bf16/'s.)
-  const std::string row = mech.layer_key() + "/L:" + std::to_string(L) + "/T:" + std::to_string(T);
+  const std::string row = layer_key(mech) + "/L:" + std::to_string(L) + "/T:" + std::to_string(T);
   if (!expanded && it > 0) {
     const double per_step = step_seconds / static_cast<double>(it);
     if constexpr (std::is_same_v<S, Eigen::bfloat16>) {

@@ -35,7 +35,6 @@ struct GqaMech {
     return 2.0 * static_cast<double>(L) * dh() * static_cast<double>(storage);
   }
   Layer make_layer() const { return Layer::random(config, 1); }
-  std::string layer_key() const { return name; }
   template <class S>
   std::shared_ptr<kvattn::PagePool> make_page_pool(Index page_tokens, Index pages) const {
     return kvattn::make_gqa_page_pool<S>(config, page_tokens, pages);

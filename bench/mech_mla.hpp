@@ -42,10 +42,6 @@ struct MlaMech {
     layer.set_decode_arithmetic(arithmetic);
     return layer;
   }
-  /// The key of the layer's shared instance (bench_util.hpp: shared_layer).
-  std::string layer_key() const {
-    return arithmetic == kvattn::DecodeArithmetic::bf16_dot ? name + "/bf16_dot" : name;
-  }
   template <class S>
   std::shared_ptr<kvattn::PagePool> make_page_pool(Index page_tokens, Index pages) const {
     return kvattn::make_mla_page_pool<S>(config, page_tokens, pages);

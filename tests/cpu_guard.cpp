@@ -12,20 +12,20 @@
 
 namespace {
 
-#if defined(KVATTN_GUARD_AVX512BF16)
-constexpr const char* kLevel =
-    "AVX-512 (F, BW, DQ, VL) with AVX512-BF16 (-march=x86-64-v4 -mavx512bf16)";
-bool cpu_has_level() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bf16");
-}
-#elif defined(KVATTN_GUARD_AVX512)
-constexpr const char* kLevel = "AVX-512 (F, BW, DQ, VL; -march=x86-64-v4)";
-bool cpu_has_level() {
+#if defined(KVATTN_GUARD_AVX512) || defined(KVATTN_GUARD_AVX512BF16)
+bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
+#endif
+
+#if defined(KVATTN_GUARD_AVX512BF16)
+constexpr const char* kLevel =
+    "AVX-512 (F, BW, DQ, VL) with AVX512-BF16 (-march=x86-64-v4 -mavx512bf16)";
+bool cpu_has_level() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+#elif defined(KVATTN_GUARD_AVX512)
+constexpr const char* kLevel = "AVX-512 (F, BW, DQ, VL; -march=x86-64-v4)";
+bool cpu_has_level() { return cpu_has_avx512(); }
 #elif defined(KVATTN_GUARD_AVX2)
 constexpr const char* kLevel = "AVX2 and FMA (-mavx2 -mfma)";
 bool cpu_has_level() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }

@@ -717,13 +717,13 @@ class MlaLayer {
   // quantized) bf16 rows, float queries, a build with the instruction.
   template <class Cache>
   static constexpr bool bf16_dot_cache =
-      (detail::kHaveBf16Dot && std::is_same_v<T, float> &&
+      (bf16_dot_available() && std::is_same_v<T, float> &&
        std::is_same_v<typename Cache::storage_type, Eigen::bfloat16>);
   // Whether the value pass of a bf16 dot step takes the dot kernel too (whole chunks of
   // 32 latent columns; else it widens the rows as with fp32).
   static constexpr bool dot_values(Index kv_rank) { return kv_rank % 32 == 0; }
   bool uses_bf16_dot() const {
-    return detail::kHaveBf16Dot && std::is_same_v<T, float> &&
+    return bf16_dot_available() && std::is_same_v<T, float> &&
            arithmetic_ == DecodeArithmetic::bf16_dot;
   }
   // The absorbed queries rounded into `rounded` (sized by prepare) when this step takes
@@ -733,7 +733,7 @@ class MlaLayer {
                                        RowMatrix<Eigen::bfloat16>& rounded) const {
     if constexpr (bf16_dot_cache<Cache>) {
       if (uses_bf16_dot()) {
-        detail::round_to_bf16(absorbed.data(), absorbed.size(), rounded.data());
+        rounded.noalias() = absorbed.template cast<Eigen::bfloat16>();  // nearest, ties even
         return rounded.data();
       }
     }

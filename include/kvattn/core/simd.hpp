@@ -34,23 +34,23 @@ constexpr const char* simd_level() {
 #endif
 }
 
-/// How a decode step multiplies the query with bf16 cached rows (docs/api.md, "bf16 dot
-/// products"). `fp32`: the rows are widened and every product and sum is a float one, so a
-/// bf16 cache's decode equals float arithmetic on its stored rows. `bf16_dot`: where the
-/// build has AVX512-BF16 (bf16_dot_available()), MLA's absorbed score rounds the query to
-/// bf16 once per step and multiplies by the CPU's bf16 dot-product instruction (float
-/// sums); elsewhere, and for other caches and mechanisms, the same as `fp32`.
+/// How a decode step multiplies with bf16 cached rows (docs/api.md, "bf16 dot products").
+/// `fp32`: the rows are widened and every product and sum is a float one, so a bf16
+/// cache's decode equals float arithmetic on its stored rows. `bf16_dot`: where the build
+/// has AVX512-BF16 (bf16_dot_available()), MLA rounds its absorbed query (once per step)
+/// and its softmax weights (once per tile) to bf16 and multiplies by the CPU's bf16
+/// dot-product instruction (float sums); elsewhere, and for other caches and mechanisms,
+/// the same as `fp32`.
 enum class DecodeArithmetic { fp32, bf16_dot };
 
 /// Whether this translation unit's kernels have the bf16 dot-product instruction
 /// (-mavx512bf16 with AVX-512, e.g. -march=native on Zen 4/5, Cooper Lake, Sapphire
 /// Rapids), which DecodeArithmetic::bf16_dot uses.
-constexpr bool bf16_dot_available() {
 #if defined(__AVX512BF16__) && defined(EIGEN_VECTORIZE_AVX512)
-  return true;
+#define KVATTN_HAVE_BF16_DOT 1
 #else
-  return false;
+#define KVATTN_HAVE_BF16_DOT 0
 #endif
-}
+constexpr bool bf16_dot_available() { return KVATTN_HAVE_BF16_DOT != 0; }
 
 }  // namespace kvattn

@@ -3,7 +3,7 @@
 // a[2i] b[2i] + a[2i+1] b[2i+1], so one instruction does 32 multiply-adds where a float
 // FMA does 16, and bf16 rows need no widening. Both operands are bf16, so the float side
 // is rounded to bf16 first, which is the accuracy this costs (docs/api.md, "bf16 dot
-// products"): the query once per step (round_to_bf16), the softmax weights once per tile.
+// products"): the query once per step (by the caller), the softmax weights once per tile.
 // The products of two bf16 values are exact in float and sum in float; the instruction
 // treats denormal inputs and results as zero.
 //
@@ -28,24 +28,13 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kvattn/core/simd.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/detail/packet_ops.hpp"
 
 namespace kvattn::detail {
 
-#if defined(__AVX512BF16__) && defined(EIGEN_VECTORIZE_AVX512)
-#define KVATTN_HAVE_BF16_DOT 1
-#else
-#define KVATTN_HAVE_BF16_DOT 0
-#endif
-inline constexpr bool kHaveBf16Dot = KVATTN_HAVE_BF16_DOT != 0;
-
-/// `count` floats rounded to the nearest bf16 (ties to even), as the dot kernel's query.
-inline void round_to_bf16(const float* from, Index count, Eigen::bfloat16* to) {
-  for (Index i = 0; i < count; ++i) to[i] = Eigen::bfloat16(from[i]);
-}
-
-#if KVATTN_HAVE_BF16_DOT
+#if KVATTN_HAVE_BF16_DOT  // core/simd.hpp: bf16_dot_available()
 
 namespace kernels {
 
@@ -202,7 +191,7 @@ inline void bf16_dot_accumulate_rows(const Eigen::bfloat16* wb, Index ld, const 
 /// to bf16 (into `scratch`, G x ld bf16; ld even and > n when n is odd), the value rows
 /// v_t = v + t * v_stride (bf16, dv wide, dv a multiple of 32) taken two tokens at a
 /// time and interleaved element by element. The accumulator rows (acc + i * acc_stride)
-/// are in "dot order" (to_bf16_dot_order / from_bf16_dot_order): in each block of 32
+/// are in "dot order" (dot_order_index; from_bf16_dot_order restores a row): in each block of 32
 /// columns, lanes 0-15 hold columns 0-3, 8-11, 16-19, 24-27 and lanes 16-31 columns
 /// 4-7, 12-15, 20-23, 28-31 (the interleave works within 128-bit lanes). `prefetch`
 /// (optional) is stepped once per token pair of each register block.
@@ -253,7 +242,8 @@ void accumulate_rows_bf16_dot(const T* w, Index ld, Index G, const Eigen::bfloat
 
 #else
 
-// Declared for callers' discarded `if constexpr (kHaveBf16Dot)` branches; never defined.
+// Declared for callers' discarded `if constexpr (bf16_dot_available())` branches; never
+// defined.
 template <class T>
 void score_rows_bf16_dot(const Eigen::bfloat16* q, Index q_stride, Index G, Index dk,
                          const Eigen::bfloat16* k, Index k_stride, Index n, T* logits, Index ld,
