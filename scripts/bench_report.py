@@ -565,6 +565,20 @@ def evaluate_targets(entries, index, context=None):
                         targets.append(frac_target(
                             f"a) `{family}/{mech}` L={L} T={T} roofline_frac",
                             (family, mech, L, T), goal))
+    # a) continued: for bf16 caches of the compute-bound mechanisms the issue asks for the
+    #    CPU's bf16 dot-product instructions where it has them. Those are the opt-in
+    #    decode_bf16dot/ rows (MLA's layers), held to the same goal when this run's build
+    #    had the instructions (context bf16_dot = yes; otherwise the rows ran the float
+    #    path of decode_bf16/ and say nothing new). decode_bf16/ keeps its own targets.
+    if (context or {}).get("bf16_dot") == "yes":
+        for mech in COMPUTE_BOUND:
+            for L in (16384, big):
+                for T in thread_counts:
+                    key = ("decode_bf16dot", mech, L, T)
+                    if key in index:
+                        targets.append(frac_target(
+                            f"a) `decode_bf16dot/{mech}` L={L} T={T} roofline_frac "
+                            "(opt-in bf16 dot products)", key, 0.75))
 
     # b) vs_naive >= 1.0 on every decode row with L >= 1024 (one line: the lowest), and
     #    >= 1.5 where the naive code re-reads a block that does not fit the LLC.
