@@ -56,6 +56,16 @@ void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
   ++kvattn::test::operator_new_calls;
   return std::malloc(size == 0 ? 1 : size);
 }
+// GCC 12 inlines these into a caller that allocated with operator new (a std::vector's
+// destructor, say) and then takes the free() for a mismatched deallocation (as in
+// fault_injection.hpp); every operator new above allocates with malloc.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif

@@ -4,6 +4,8 @@
 // MLA's decode with it against the double reference, to the accuracy docs/api.md states.
 // Built with the default flags (no AVX512-BF16: the setting must change nothing) and at
 // the avx512bf16 level (tests/CMakeLists.txt), where the kernel runs.
+#include "alloc_counter.hpp"  // first: replaces operator new, arms Eigen's malloc guard
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -270,7 +272,52 @@ TEST_CASE("MLA's decode_batch with bf16 dot products is within the stated accura
     const MatD want = reference::decode_step(dlayer, stored, q) * dlayer.weights().w_o;
     const double error = relative_error(got.row(s), want);
     CAPTURE(s, error);
-    CHECK(error <= kBf16DotTolerance);
-    if constexpr (bf16_dot_available()) CHECK(error >= 1e-5);  // the kernels ran
+    if constexpr (bf16_dot_available()) {
+      CHECK(error <= kBf16DotTolerance);
+      CHECK(error >= 1e-5);  // the kernels ran
+    } else {
+      CHECK(error <= kFloatTolerance);  // without the instruction, float arithmetic
+    }
+  }
+}
+
+// The rounded query and weights live in the workspace (absorbed_bf16, the split scratch):
+// with one sized by make_workspace and warmed by a step, decode, attend and decode_batch
+// allocate nothing, as test_decode_noalloc.cpp checks for the float arithmetic.
+TEST_CASE("MLA's bf16 dot products allocate nothing after a warm-up", "[bf16_dot][mla][alloc]") {
+  auto layer = MlaLayer<float>::random(small_mla(128, 16), 91);
+  layer.set_decode_arithmetic(DecodeArithmetic::bf16_dot);
+  const MlaConfig& c = layer.config();
+  constexpr Index kSteps = 8;
+  for (const Threads threads : {Threads{1}, Threads{2}}) {
+    std::vector<MlaCache<float, bf16>> caches;
+    for (const Index length : {1000, 300}) {
+      caches.push_back(layer.make_cache<bf16>(length + 2 * kSteps + 2));
+      caches.back().append(random_input<float>(length, c.kv_rank, length),
+                           random_input<float>(length, c.rope_dim, length + 1));
+    }
+    std::vector<MlaCache<float, bf16>*> pointers{&caches[0], &caches[1]};
+    const std::span<MlaCache<float, bf16>* const> batch(pointers);
+    const MatF x = random_input<float>(2, c.d_model, 92);
+    const MatF query = random_input<float>(1, c.query_width(), 93);
+    RowVector<float> out(c.d_model), heads(layer.heads_width());
+    MatF batch_out(2, c.d_model);
+    auto workspace = layer.make_workspace(threads);
+    // The warm-up: the OpenMP team, and the workspace's batch plan for these caches.
+    layer.decode(x.row(0), caches[0], out, workspace, threads);
+    layer.decode_batch(x, batch, batch_out, workspace, threads);
+    const auto count = count_allocations([&] {
+      for (Index i = 0; i < kSteps; ++i) {
+        layer.decode(x.row(0), caches[0], out, workspace, threads);
+        layer.attend(query, caches[0], heads, workspace, threads);
+        layer.decode_batch(x, batch, batch_out, workspace, threads);
+      }
+    });
+    CAPTURE(threads.count);
+    CHECK(count.operator_new == 0);
+    CHECK_FALSE(count.eigen_malloc);
+    CHECK(out.allFinite());
+    CHECK(heads.allFinite());
+    CHECK(batch_out.allFinite());
   }
 }
