@@ -341,6 +341,21 @@ TEST_CASE("accumulate_rows equals a plain loop at awkward sizes", "[kernels]") {
   }
 }
 
+// Float value rows of kEightRowsWidth and wider shared by 8 or more rows take 8-row register
+// blocks on 32-register ISAs (the AVX-512 build of this test); the rows left over, 4, 2 and 1
+// at a time. Widths with a tail packet, token blocks shorter than the tile.
+TEST_CASE("accumulate_rows of many rows over wide value rows", "[kernels]") {
+  for (const Index dv : {Index{256}, Index{300}, Index{512}}) {
+    for (const Index G : {8, 11, 16, 19}) {
+      for (const Index n : {1, 7, 40}) {
+        for (const Index block : {Index{0}, Index{5}})
+          check_accumulate<float>(G, dv, n, false, block);
+      }
+    }
+    check_accumulate<Eigen::bfloat16>(16, dv, 23, false, 0);
+  }
+}
+
 TEST_CASE("Prefetcher walks its first range, then its second, within the plan", "[kernels]") {
   // Prefetches are hints (no observable effect), so the walk is checked on the state.
   std::vector<char> first(1000), second(300);

@@ -95,6 +95,8 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
   (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
   constexpr int A = M * B;
+  BlockPrefetcher blockwise(prefetch);
+  prefetch = blockwise.get();
   constexpr int R = static_cast<int>((A + P - 1) / P);  // packets of sums
   const S* row[B];
   KVATTN_UNROLL
@@ -618,6 +620,19 @@ inline void accumulate_span(const T* w, Index ld, const S* v, Index v_stride, In
   }
 }
 
+// Query rows per accumulate block: block_rows, or 8 (`eight`) on 32-register ISAs for
+// float value rows at least kEightRowsWidth wide that every row shares (MLA's latent):
+// 8 rows x 2 packets (16 accumulators, 8 broadcast weights and a value packet live) load
+// each value packet once per 8 FMAs instead of 4, and re-read the value tile, which does
+// not stay in L1 beside everything else, from L2 half as often. Kernel-only, hot: MLA's
+// 16 rows x 512 fp32 104 ns per token against 122 for 4 x 4; where the tile is narrow
+// or bf16 the extra broadcasts cost more than the loads saved (MQA's 32 x 128 fp32 54.6
+// against 52, MLA's bf16 92.5 against 88), so those keep 4 rows.
+inline constexpr Index kEightRowsWidth = 256;
+constexpr int accumulate_block_rows(Index left, bool eight) {
+  return many_registers && eight && left >= 8 ? 8 : block_rows(left);
+}
+
 template <class T, class S, int Layout>
 void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, Index seg, Index dv,
                      Index n, T* acc, Index acc_stride, Index token_block, Prefetcher* prefetch) {
@@ -625,20 +640,29 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
   constexpr bool Paired = Layout == kPaired;
   (void)Segmented, (void)Paired;
   const Index block = token_block > 0 ? token_block : n;
+  const bool eight = !Segmented && std::is_same_v<S, T> && dv >= kEightRowsWidth;
   if (prefetch != nullptr) {
     Index column_blocks = 0;
-    for (Index i0 = 0; i0 < G; i0 += block_rows(G - i0)) {
-      column_blocks += accumulate_column_blocks<T>(block_rows(G - i0), dv);
+    for (Index i0 = 0; i0 < G; i0 += accumulate_block_rows(G - i0, eight)) {
+      column_blocks += accumulate_column_blocks<T>(accumulate_block_rows(G - i0, eight), dv);
     }
     prefetch->plan(column_blocks * n);  // one step per token of every block
   }
   for (Index t0 = 0; t0 < n; t0 += block) {
     const Index t_end = std::min(n, t0 + block);
     for (Index i0 = 0; i0 < G;) {
-      const int M = block_rows(G - i0);
+      const int M = accumulate_block_rows(G - i0, eight);
       const T* wi = w + i0 * ld;
       const S* vi = Segmented ? v + i0 * seg : v;
       T* ai = acc + i0 * acc_stride;
+      if constexpr (many_registers && !Segmented && std::is_same_v<S, T>) {
+        if (M == 8) {
+          accumulate_span<T, S, 8, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
+                                           prefetch);
+          i0 += M;
+          continue;
+        }
+      }
       if (M == 4) {
         accumulate_span<T, S, 4, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
                                          prefetch);
