@@ -342,14 +342,20 @@ TEST_CASE("accumulate_rows equals a plain loop at awkward sizes", "[kernels]") {
 }
 
 // Float value rows of kEightRowsWidth and wider shared by 8 or more rows take 8-row register
-// blocks on 32-register ISAs (the AVX-512 build of this test); the rows left over, 4, 2 and 1
-// at a time. Widths with a tail packet, token blocks shorter than the tile.
+// blocks in the AVX-512 build of this test (others: 4 rows); the rows left over 4, 2 and 1
+// at a time. Widths with a tail packet alone in its block (300) and beside a full one (280),
+// token blocks shorter than the tile. bf16 rows keep 4-row blocks (the same check).
 TEST_CASE("accumulate_rows of many rows over wide value rows", "[kernels]") {
-  for (const Index dv : {Index{256}, Index{300}, Index{512}}) {
-    for (const Index G : {8, 11, 16, 19}) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+  CHECK(detail::kernels::accumulate_block_rows(8, true) == 8);
+#endif
+  CHECK(detail::kernels::accumulate_block_rows(8, false) == detail::block_rows(8));
+  for (const Index dv : {Index{256}, Index{280}, Index{300}, Index{512}}) {
+    for (const Index G : {8, 11, 15, 16, 19}) {
       for (const Index n : {1, 7, 40}) {
-        for (const Index block : {Index{0}, Index{5}})
+        for (const Index block : {Index{0}, Index{5}}) {
           check_accumulate<float>(G, dv, n, false, block);
+        }
       }
     }
     check_accumulate<Eigen::bfloat16>(16, dv, 23, false, 0);

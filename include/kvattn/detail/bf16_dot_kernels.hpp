@@ -19,9 +19,9 @@
 // Measured kernel-only (Zen 5, hot rows; the instruction runs 6.8 G per second on one
 // thread, the rate of float FMAs): MLA's 16 rows x 576 scored in 60-71 ns per token
 // against 110-113 widened; GQA's 4 rows x 128 in 5.5 against 8.3 paired (values 3.8
-// against 5.9), but GQA's step over a cold cache gained a median 2% of the read pass
-// from them (it does not overlap its arithmetic with its reads); MQA's 32 x 128 in 78
-// against 48 for score_rows_outer. So only MLA's absorbed step uses them.
+// against 5.9), but looped bare over a cold cache, as in GQA's step, they gained a median
+// 2 points of the read pass (docs/benchmarks.md); MQA's 32 x 128 in 78 against 48 for
+// score_rows_outer. So only MLA's absorbed step uses them.
 #pragma once
 
 #include <algorithm>

@@ -95,6 +95,7 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
   (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
   constexpr int A = M * B;
+  // Stepped through a register copy (see BlockPrefetcher), written back when the block ends.
   BlockPrefetcher blockwise(prefetch);
   prefetch = blockwise.get();
   constexpr int R = static_cast<int>((A + P - 1) / P);  // packets of sums
@@ -620,17 +621,24 @@ inline void accumulate_span(const T* w, Index ld, const S* v, Index v_stride, In
   }
 }
 
-// Query rows per accumulate block: block_rows, or 8 (`eight`) on 32-register ISAs for
-// float value rows at least kEightRowsWidth wide that every row shares (MLA's latent):
-// 8 rows x 2 packets (16 accumulators, 8 broadcast weights and a value packet live) load
-// each value packet once per 8 FMAs instead of 4, and re-read the value tile, which does
-// not stay in L1 beside everything else, from L2 half as often. Kernel-only, hot: MLA's
-// 16 rows x 512 fp32 104 ns per token against 122 for 4 x 4; where the tile is narrow
-// or bf16 the extra broadcasts cost more than the loads saved (MQA's 32 x 128 fp32 54.6
-// against 52, MLA's bf16 92.5 against 88), so those keep 4 rows.
+// Query rows per accumulate block: block_rows, or 8 (`eight`) on AVX-512 for float value
+// rows at least kEightRowsWidth wide that every row shares (MLA's latent): 8 rows x 2
+// packets (16 accumulators, 8 broadcast weights and a value packet live) load each value
+// packet once per 8 FMAs instead of 4, and re-read the value tile, which does not stay in
+// L1 beside everything else, from L2 half as often. Kernel-only, hot, Zen 5: MLA's 16 rows
+// x 512 fp32 104 ns per token against 122 for 4 x 4; where the tile is narrow or bf16 the
+// extra broadcasts cost more than the loads saved (MQA's 32 x 128 fp32 54.6 against 52,
+// MLA's bf16 92.5 against 88), so those keep 4 rows. The width threshold lies between those
+// two measured widths (128 slower, 512 faster); 256 itself was not measured, nor any other
+// 32-register ISA (AArch64 keeps 4 rows).
+#if defined(EIGEN_VECTORIZE_AVX512)
+inline constexpr bool kEightRowBlocks = true;
+#else
+inline constexpr bool kEightRowBlocks = false;
+#endif
 inline constexpr Index kEightRowsWidth = 256;
 constexpr int accumulate_block_rows(Index left, bool eight) {
-  return many_registers && eight && left >= 8 ? 8 : block_rows(left);
+  return kEightRowBlocks && eight && left >= 8 ? 8 : block_rows(left);
 }
 
 template <class T, class S, int Layout>
@@ -655,7 +663,7 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
       const T* wi = w + i0 * ld;
       const S* vi = Segmented ? v + i0 * seg : v;
       T* ai = acc + i0 * acc_stride;
-      if constexpr (many_registers && !Segmented && std::is_same_v<S, T>) {
+      if constexpr (kEightRowBlocks && !Segmented && std::is_same_v<S, T>) {
         if (M == 8) {
           accumulate_span<T, S, 8, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
                                            prefetch);
