@@ -648,7 +648,9 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
   constexpr bool Paired = Layout == kPaired;
   (void)Segmented, (void)Paired;
   const Index block = token_block > 0 ? token_block : n;
-  const bool eight = !Segmented && std::is_same_v<S, T> && dv >= kEightRowsWidth;
+  // 8-row blocks: instantiated only where they may be taken, taken for wide rows.
+  constexpr bool EightRows = kEightRowBlocks && !Segmented && std::is_same_v<S, T>;
+  const bool eight = EightRows && dv >= kEightRowsWidth;
   if (prefetch != nullptr) {
     Index column_blocks = 0;
     for (Index i0 = 0; i0 < G; i0 += accumulate_block_rows(G - i0, eight)) {
@@ -663,7 +665,7 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
       const T* wi = w + i0 * ld;
       const S* vi = Segmented ? v + i0 * seg : v;
       T* ai = acc + i0 * acc_stride;
-      if constexpr (kEightRowBlocks && !Segmented && std::is_same_v<S, T>) {
+      if constexpr (EightRows) {
         if (M == 8) {
           accumulate_span<T, S, 8, Layout>(wi, ld, vi, v_stride, seg, dv, t0, t_end, ai, acc_stride,
                                            prefetch);
