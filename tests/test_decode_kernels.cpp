@@ -240,8 +240,22 @@ TEST_CASE("score_rows with a second, per-row dot product (LRKV's residual)", "[k
         std::vector<float> got(static_cast<std::size_t>(G * ld), 7.0f);
         std::vector<float> want = got;
         const detail::SecondDot<float> second{q2.data(), dk2, dk2, dk, seg2};
+        detail::Prefetcher prefetch(k.data(), n * k_stride * Index{sizeof(float)});
         detail::score_rows(q.data(), dk, G, dk, k.data(), k_stride, 0, n, got.data(), ld, false,
-                           nullptr, &second);
+                           &prefetch, &second);
+        constexpr Index P = detail::packet_size<float>;
+        if (dk >= P && dk2 >= P) {
+          // The kernel's prefetch plan counts the steps it takes, the second dot's too: a
+          // range of many more lines than steps is used up exactly by the last step
+          // (before finish(), which the kernel itself leaves to its caller).
+          std::vector<char> range(std::size_t{1} << 22);
+          detail::Prefetcher planned(range.data(), static_cast<Index>(range.size()));
+          std::vector<float> logits(static_cast<std::size_t>(G * ld));
+          detail::kernels::score_rows<float, float, detail::kernels::kShared>(
+              q.data(), dk, G, dk, k.data(), k_stride, 0, n, logits.data(), ld, false, &planned,
+              &second);
+          CHECK(planned.next == planned.end);
+        }
         detail::score_rows(q.data(), dk, G, dk, k.data(), k_stride, 0, n, want.data(), ld, false);
         detail::score_rows(q2.data(), dk2, G, dk2, k.data() + dk, k_stride, seg2, n, want.data(),
                            ld, true);

@@ -202,6 +202,7 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
   if (second != nullptr && second->dk >= P) {
     // Row m's own slice of each cached row, into the same accumulators.
     auto step2 = [&](Index j, Index skip) {
+      if (prefetch != nullptr) prefetch->step();
       Packet<T> qp[M];
       KVATTN_UNROLL
       for (int m = 0; m < M; ++m) {
@@ -302,12 +303,16 @@ void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k,
   (void)Segmented, (void)Paired;
   constexpr Index P = packet_size<T>;
   const Index blocks = (n + B - 1) / B;
-  Index chunks = 0;  // prefetch steps per token block and column packet
+  Index chunks = 0;      // prefetch steps per token block and column packet of q
+  Index row_blocks = 0;  // ... and per column packet of the second dot (one pass per block)
   for (Index i0 = 0; i0 < G; i0 += block_rows(G - i0)) {
     chunks += B / kernels::score_sub_block(block_rows(G - i0), B, Layout);
+    ++row_blocks;
   }
   const Index dk2 = second != nullptr ? second->dk : 0;
-  if (prefetch != nullptr) prefetch->plan(chunks * blocks * ((dk + P - 1) / P + (dk2 + P - 1) / P));
+  if (prefetch != nullptr) {
+    prefetch->plan(blocks * (chunks * ((dk + P - 1) / P) + row_blocks * ((dk2 + P - 1) / P)));
+  }
   for (Index t0 = 0; t0 < n; t0 += B) {
     for (Index i0 = 0; i0 < G;) {
       const int M = block_rows(G - i0);
