@@ -65,10 +65,12 @@ struct SplitPlan {
 /// of streaming (GQA's 1 MiB tiles) still splits a few thousand tokens across threads.
 constexpr Index split_granule(Index tile) { return std::min<Index>(tile, 256); }
 
-/// Sequence ranges per thread when the sequence is split: more ranges than threads,
-/// taken dynamically, so that a thread that runs slower (its core shared on the host,
-/// its half of the cache slower to stream) takes fewer ranges instead of holding the
-/// other up at the step's end (flash-decoding's over-decomposition).
+/// Sequence ranges per thread when the sequence is split (flash-decoding's
+/// over-decomposition). They were meant to be taken dynamically, so that a slower thread
+/// takes fewer; split_attention now deals them out statically, each thread a block of 4
+/// adjacent ranges, which measured faster than one range per thread (two threads,
+/// kvattn_bench A/B, medians of 3: LRKV L = 16384 5.4-6.1 against 6.7-7.0 ms, MLA
+/// L = 65536 8.9-10.2 against 9.6-13.1 ms), for reasons not found.
 inline constexpr Index kSplitsPerThread = 4;
 
 /// Splits the visible tokens only when groups alone cannot keep every thread busy, and
@@ -205,16 +207,13 @@ void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops&
   };
 
 #ifdef _OPENMP
-  // A split sequence's ranges are taken dynamically (see kSplitsPerThread); whole groups
-  // are dealt out in fixed blocks, one per thread: taken dynamically they ran slower on
-  // the AVX-512 VM (two threads, steps alternated with a read pass of the same bytes:
-  // MHA L = 1024 0.91 of the read pass static against 0.83 dynamic, GQA L = 16384 0.73
-  // against 0.70, medians of 6 runs), for reasons not found.
-  if (plan.threads > 1 && plan.splits > 1) {
-    const Index units = plan.units();
-#pragma omp parallel for num_threads(plan.threads) schedule(dynamic, 1)
-    for (Index unit = 0; unit < units; ++unit) run_unit(unit, omp_get_thread_num());
-  } else if (plan.threads > 1) {
+  // Units in fixed blocks, one per thread (static): taken dynamically, as 18d2f89 had
+  // them, they ran slower on the AVX-512 VM (two threads, kvattn_bench A/B, medians of
+  // 3 runs; roofline_frac): MHA L = 1024 0.57-0.79 -> 0.88-1.00, MLA L = 16384
+  // 0.56-0.62 -> 0.66-0.73, MQA L = 65536 0.72-0.83 -> 0.86-0.91, LRKV L = 16384
+  // 0.63-0.70 -> 0.71-0.76; why was not found (docs/benchmarks.md, "Threads and
+  // streaming").
+  if (plan.threads > 1) {
     const Index units = plan.units();
 #pragma omp parallel for num_threads(plan.threads) schedule(static)
     for (Index unit = 0; unit < units; ++unit) run_unit(unit, omp_get_thread_num());
