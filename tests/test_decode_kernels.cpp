@@ -246,10 +246,12 @@ TEST_CASE("score_rows with a second, per-row dot product (LRKV's residual)", "[k
         constexpr Index P = detail::packet_size<float>;
         if (dk >= P && dk2 >= P) {
           // The kernel's prefetch plan counts the steps it takes, the second dot's too: a
-          // range of many more lines than steps is used up exactly by the last step
-          // (before finish(), which the kernel itself leaves to its caller).
-          std::vector<char> range(std::size_t{1} << 22);
-          detail::Prefetcher planned(range.data(), static_cast<Index>(range.size()));
+          // one-line range planned over S steps is issued at step S, so a step fewer
+          // leaves it unissued (finish() is the caller's, not the kernel's). A kernel
+          // that took more steps than it planned would pass: this checks the plan
+          // covers no steps the kernel never takes.
+          std::vector<char> range(detail::Prefetcher::kLine);
+          detail::Prefetcher planned(range.data(), detail::Prefetcher::kLine);
           std::vector<float> logits(static_cast<std::size_t>(G * ld));
           detail::kernels::score_rows<float, float, detail::kernels::kShared>(
               q.data(), dk, G, dk, k.data(), k_stride, 0, n, logits.data(), ld, false, &planned,

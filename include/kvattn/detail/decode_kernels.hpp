@@ -304,12 +304,15 @@ void score_rows_lanes(const T* q, Index q_stride, Index G, Index dk, const S* k,
   constexpr Index P = packet_size<T>;
   const Index blocks = (n + B - 1) / B;
   Index chunks = 0;      // prefetch steps per token block and column packet of q
-  Index row_blocks = 0;  // ... and per column packet of the second dot (one pass per block)
+  Index row_blocks = 0;  // ... and per column packet of the second dot (one pass per row
+                         // block and token block)
   for (Index i0 = 0; i0 < G; i0 += block_rows(G - i0)) {
     chunks += B / kernels::score_sub_block(block_rows(G - i0), B, Layout);
     ++row_blocks;
   }
-  const Index dk2 = second != nullptr ? second->dk : 0;
+  // score_block takes the second dot only when it fills a packet (narrower ones are
+  // scored apart by detail::score_rows).
+  const Index dk2 = second != nullptr && second->dk >= P ? second->dk : 0;
   if (prefetch != nullptr) {
     prefetch->plan(blocks * (chunks * ((dk + P - 1) / P) + row_blocks * ((dk2 + P - 1) / P)));
   }

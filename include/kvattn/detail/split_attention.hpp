@@ -66,11 +66,9 @@ struct SplitPlan {
 constexpr Index split_granule(Index tile) { return std::min<Index>(tile, 256); }
 
 /// Sequence ranges per thread when the sequence is split (flash-decoding's
-/// over-decomposition). They were meant to be taken dynamically, so that a slower thread
-/// takes fewer; split_attention now deals them out statically, each thread a block of 4
-/// adjacent ranges, which measured faster than one range per thread (two threads,
-/// kvattn_bench A/B, medians of 3: LRKV L = 16384 5.4-6.1 against 6.7-7.0 ms, MLA
-/// L = 65536 8.9-10.2 against 9.6-13.1 ms), for reasons not found.
+/// over-decomposition), dealt out as one contiguous block of units per thread (see
+/// split_attention): 4 measured faster than 1 with two threads (LRKV and MLA), for
+/// reasons not found (docs/benchmarks.md, "Threads and streaming").
 inline constexpr Index kSplitsPerThread = 4;
 
 /// Splits the visible tokens only when groups alone cannot keep every thread busy, and
@@ -207,12 +205,10 @@ void split_attention(const SplitPlan& plan, SplitScratch<T>& scratch, const Ops&
   };
 
 #ifdef _OPENMP
-  // Units in fixed blocks, one per thread (static): taken dynamically, as 18d2f89 had
-  // them, they ran slower on the AVX-512 VM (two threads, kvattn_bench A/B, medians of
-  // 3 runs; roofline_frac): MHA L = 1024 0.57-0.79 -> 0.88-1.00, MLA L = 16384
-  // 0.56-0.62 -> 0.66-0.73, MQA L = 65536 0.72-0.83 -> 0.86-0.91, LRKV L = 16384
-  // 0.63-0.70 -> 0.71-0.76; why was not found (docs/benchmarks.md, "Threads and
-  // streaming").
+  // One contiguous block of units per thread (static). Taken dynamically instead, as
+  // they were from 18d2f89, the same units ran slower with two threads on the AVX-512
+  // VM, whole groups and split sequences alike (docs/benchmarks.md, "Threads and
+  // streaming"); why was not found. The merge below is in a fixed order either way.
   if (plan.threads > 1) {
     const Index units = plan.units();
 #pragma omp parallel for num_threads(plan.threads) schedule(static)
