@@ -529,6 +529,27 @@ TEST_CASE("split_attention equals softmax(q K^T) V, split or not", "[kernels]") 
   }
 }
 
+// The units go to the threads in equal static blocks, so plan_split keeps their count a
+// multiple of the threads where the length allows. Tile 256: one split per 1024 visible
+// tokens at most (four granules), 4 ranges per thread at most.
+TEST_CASE("plan_split makes the units a multiple of the threads where it can", "[kernels]") {
+  struct Case {
+    Index groups;
+    int threads;
+    Index length;
+    Index splits;  // by hand: min(4 * ceil(threads / groups), length / 1024), rounded down
+  };
+  for (const Case c :
+       {Case{1, 2, 3072, 2}, Case{1, 2, 5120, 4}, Case{1, 2, 65536, 8}, Case{1, 2, 1024, 1},
+        Case{1, 3, 5120, 3}, Case{1, 3, 2048, 2}, Case{2, 4, 3072, 2}, Case{3, 4, 6144, 4},
+        Case{3, 4, 20480, 8}, Case{2, 2, 65536, 1}}) {
+    CAPTURE(c.groups, c.threads, c.length);
+    const auto plan = detail::plan_split(c.groups, 1, 8, c.length, 256, 0, c.threads);
+    CHECK(plan.splits == c.splits);
+    CHECK(plan.units() == c.groups * c.splits);
+  }
+}
+
 TEST_CASE("split_attention: a NaN or +inf logit poisons its row, -inf weighs 0", "[kernels]") {
   const Index rows = 3, d = 13, L = 70, groups = 1;
   const float inf = std::numeric_limits<float>::infinity();

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
@@ -89,6 +90,11 @@ inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index len
     plan.max_splits = kSplitsPerThread * ((plan.threads + groups - 1) / groups);
     const Index by_length = std::max<Index>(1, plan.visible.count() / (4 * split_granule(tile)));
     plan.splits = std::min(plan.max_splits, by_length);
+    // The units go to the threads in equal blocks (split_attention): a unit count that is
+    // not a multiple of the threads would give some threads a whole range more (3 ranges
+    // on 2 threads: 2 against 1), so round the splits down to make it one where possible.
+    const Index whole = plan.threads / std::gcd(groups, Index{plan.threads});
+    if (plan.splits >= whole) plan.splits = plan.splits / whole * whole;
   }
   plan.max_threads = plan.threads;
   plan.threads = static_cast<int>(std::min<Index>(plan.threads, plan.units()));
