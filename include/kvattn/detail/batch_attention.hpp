@@ -213,8 +213,9 @@ void run_batch(BatchScratch<T>& scratch, const OpsOf& ops_of) {
 #ifdef _OPENMP
   // Taken as threads come free: the units differ in length (ragged sequences, prefix
   // units that carry every sequence's rows). Dealt in equal static blocks, as
-  // split_attention's equal units are, two threads ran decode_batch/ up to 1.8x and
-  // decode_shared/ up to 2x slower (docs/benchmarks.md, "Threads and streaming").
+  // split_attention's equal units are, they lowered two threads' vs_separate by up to
+  // 1.6x in decode_batch/ and 2x in decode_shared/ (docs/benchmarks.md, "Threads and
+  // streaming").
   if (scratch.threads > 1 && count > 1) {
 #pragma omp parallel for num_threads(scratch.threads) schedule(dynamic, 1)
     for (Index k = 0; k < count; ++k) run_unit(k, omp_get_thread_num());
