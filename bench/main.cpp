@@ -37,11 +37,12 @@
 //   decode_bf16/<mech>/L:<L>/T:<T>      the same step as decode/ on a bf16 cache
 //       (make_cache<Eigen::bfloat16>): mha at L 4096, 16384 and 65536, the others at
 //       16384 and 65536.
-//   decode_bf16dot/<mla|mla_v2>/L:<L>/T:<T>  decode_bf16/'s step with the layer's
-//       DecodeArithmetic::bf16_dot (the absorbed query rounded to bf16, scored by the CPU's
-//       bf16 dot-product instruction where the build has AVX512-BF16, else the same code
-//       as decode_bf16/); L 16384 and 65536. Smoke mode checks it against the reference
-//       to the stated 2^-6 (docs/api.md), not 2e-3.
+//   decode_bf16dot/<gqa|mqa|mla|mla_v2>/L:<L>/T:<T>  decode_bf16/'s step with the
+//       layer's DecodeArithmetic::bf16_dot (the query, MLA's absorbed one, and the softmax
+//       weights rounded to bf16 and multiplied by the CPU's bf16 dot-product instruction
+//       where the build has AVX512-BF16, else the same code as decode_bf16/); L 16384 and
+//       65536. Smoke mode checks it against the reference to the stated 2^-6
+//       (docs/api.md), not 2e-3.
 //   decode_int8/<mech>/L:65536/T:<T>    the same step on an int8 cache (kvattn::Int8<128>:
 //       int8 codes, one fp32 scale per 128-element row; MLA's rope key in bf16); all six
 //       mechanisms. bytes include the scales. Counters vs_bf16, vs_bf16_goal.

@@ -28,13 +28,19 @@ struct GqaMech {
 
   std::string name;
   kvattn::GqaConfig config;
+  // The layer's DecodeArithmetic (decode_bf16dot/ rows: bf16_dot).
+  kvattn::DecodeArithmetic arithmetic = kvattn::DecodeArithmetic::fp32;
 
   bool has_naive() const { return true; }
   /// One KV group's keys and values: 2 L d_h elements.
   double block_bytes(Index L, std::size_t storage) const {
     return 2.0 * static_cast<double>(L) * dh() * static_cast<double>(storage);
   }
-  Layer make_layer() const { return Layer::random(config, 1); }
+  Layer make_layer() const {
+    Layer layer = Layer::random(config, 1);
+    layer.set_decode_arithmetic(arithmetic);
+    return layer;
+  }
   template <class S>
   std::shared_ptr<kvattn::PagePool> make_page_pool(Index page_tokens, Index pages) const {
     return kvattn::make_gqa_page_pool<S>(config, page_tokens, pages);

@@ -124,10 +124,12 @@ TEST_CASE("the bf16 dot accumulate kernel equals a double loop over its bf16 ope
   std::normal_distribution<float> normal;
   std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
   // Rows: 4-row blocks (2 chunks of 32 columns each), 2 rows (4 chunks), 1 row (8); widths
-  // with whole register blocks and with chunks left over; odd and even token counts.
+  // with whole register blocks and with chunks left over; odd and even token counts; all
+  // tokens at once and in blocks (3 is taken as 4: blocks of 4 and an odd last one).
   for (const Index G : {1, 2, 3, 4, 7}) {
     for (const Index dv : {32, 96, 512}) {
-      for (const Index n : {1, 2, 5, 36}) {
+      for (const auto& [n, token_block] :
+           {std::pair<Index, Index>{1, 0}, {2, 0}, {5, 0}, {36, 0}, {5, 3}, {36, 3}, {37, 16}}) {
         const Index ld = (n + 16) / 16 * 16, v_stride = dv + 8, acc_stride = dv + 32;
         std::vector<float> w(G * ld, 0.0f), start(G * acc_stride), acc(G * acc_stride);
         std::vector<bf16> v(n * v_stride), scratch(G * ld);
@@ -141,7 +143,7 @@ TEST_CASE("the bf16 dot accumulate kernel equals a double loop over its bf16 ope
           for (Index j = 0; j < dv; ++j)
             acc[i * acc_stride + detail::dot_order_index(j)] = start[i * acc_stride + j];
         detail::accumulate_rows_bf16_dot(w.data(), ld, G, v.data(), v_stride, dv, n, acc.data(),
-                                         acc_stride, scratch.data());
+                                         acc_stride, scratch.data(), nullptr, token_block);
         for (Index i = 0; i < G; ++i) detail::from_bf16_dot_order(acc.data() + i * acc_stride, dv);
         double worst = 0.0;
         for (Index i = 0; i < G; ++i) {
@@ -163,7 +165,7 @@ TEST_CASE("the bf16 dot accumulate kernel equals a double loop over its bf16 ope
             worst = std::max(worst, std::abs(acc[i * acc_stride + j] - exact) / bound);
           }
         }
-        CAPTURE(G, dv, n, worst);
+        CAPTURE(G, dv, n, token_block, worst);
         CHECK(worst <= 1.0);  // the error in units of its bound
       }
     }

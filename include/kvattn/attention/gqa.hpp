@@ -28,9 +28,11 @@
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/random.hpp"
 #include "kvattn/core/rope.hpp"
+#include "kvattn/core/simd.hpp"
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/detail/batch_attention.hpp"
+#include "kvattn/detail/bf16_dot_kernels.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/quantized_kernels.hpp"
@@ -109,8 +111,9 @@ struct GqaWeights {
   }
 };
 
-/// A GQA-family attention layer (models AttentionLayer). Immutable after construction:
-/// one layer may be used from several threads at once, each with its own workspace.
+/// A GQA-family attention layer (models AttentionLayer). Immutable after construction (but
+/// for set_decode_arithmetic, to be set before sharing): one layer may be used from
+/// several threads at once, each with its own workspace.
 template <class T>
 class GqaLayer {
  public:
@@ -129,6 +132,9 @@ class GqaLayer {
     RowMatrix<T> batch_query, batch_key, batch_value, batch_heads;
     RowMatrix<T> batch_stacked;  // with a shared prefix: each group's query rows, stacked
     detail::BatchScratch<T> batch;
+    // DecodeArithmetic::bf16_dot: query, batch_query and batch_stacked rounded to bf16.
+    RowVector<Eigen::bfloat16> query_bf16;
+    RowMatrix<Eigen::bfloat16> batch_query_bf16, batch_stacked_bf16;
   };
 
   /// Validates the config and the weights' shapes (config_error / shape_error).
@@ -150,6 +156,15 @@ class GqaLayer {
   const Rope& rope() const { return rope_; }
   /// The scale multiplying q.k before the softmax.
   T softmax_scale() const { return scale_; }
+  /// How decode, decode_batch, attend and attend_states multiply with a bf16 cache
+  /// (core/simd.hpp): `bf16_dot` rounds the scaled, rotated query to bf16 once per step
+  /// and the softmax weights once per tile, and multiplies with the CPU's bf16
+  /// dot-product instruction where the build has it (docs/api.md, "bf16 dot products");
+  /// the default, `fp32`, widens the rows and multiplies in float. Groups of one query
+  /// row (MHA), other caches and the expanded paths are unaffected. Not synchronized: set
+  /// it before the layer is shared between threads.
+  void set_decode_arithmetic(DecodeArithmetic arithmetic) { arithmetic_ = arithmetic; }
+  DecodeArithmetic decode_arithmetic() const { return arithmetic_; }
   /// Columns of attend's query: H * d_h (head h in columns [h*d_h, (h+1)*d_h)).
   Index query_width() const { return config_.query_width(); }
   /// Columns of attend's heads output: H * d_h.
@@ -414,7 +429,7 @@ class GqaLayer {
       rope_.rotate(key.data(), position, config_.n_kv_heads, dh);
       rope_.rotate(query.data(), position, config_.n_heads, dh);
       query *= scale_;
-      if (DecodeOps<Cache>::paired_score(group, dh)) {
+      if (paired_query<Cache>()) {
         for (Index h = 0; h < config_.n_heads; ++h) detail::to_paired(query.data() + h * dh, dh);
       }
     }
@@ -431,23 +446,26 @@ class GqaLayer {
     // cache with every sequence's query rows of a group stacked.
     if (prefix > 0) stack_prefix_queries(ws, batch);
     const T* stacked = ws.batch_stacked.data();
-    const bool paired = DecodeOps<Cache>::paired_score(group, dh);
+    const bool paired = paired_query<Cache>();
+    const Eigen::bfloat16* rounded = rounded_queries<Cache>(ws.batch_query, ws.batch_query_bf16);
+    const Eigen::bfloat16* rounded_stacked =
+        prefix > 0 ? rounded_queries<Cache>(ws.batch_stacked, ws.batch_stacked_bf16) : nullptr;
     detail::run_batch(ws.batch, [&](Index source) {
       if (source == batch) {
-        return DecodeOps<Cache>{*caches[0], stacked, batch * group, dh, batch * group * dh, paired};
+        return DecodeOps<Cache>{*caches[0],         stacked, batch * group,  dh,
+                                batch * group * dh, paired,  rounded_stacked};
       }
-      return DecodeOps<Cache>{*caches[static_cast<std::size_t>(source)],
-                              ws.batch_query.row(source).data(),
-                              group,
-                              dh,
-                              group * dh,
-                              paired};
+      return DecodeOps<Cache>{
+          *caches[static_cast<std::size_t>(source)],
+          ws.batch_query.row(source).data(),
+          group,
+          dh,
+          group * dh,
+          paired,
+          rounded != nullptr ? rounded + source * config_.query_width() : nullptr};
     });
     detail::finish_batch(ws.batch, ws.batch_heads.data());
-    if (detail::paired_rows<T, typename Cache::storage_type>(dh)) {
-      for (Index r = 0; r < batch * config_.n_heads; ++r)
-        detail::from_paired(ws.batch_heads.data() + r * dh, dh);
-    }
+    restore_order<Cache>(ws.batch_heads.data(), batch * config_.n_heads, rounded != nullptr);
     detail::parallel_product(ws.batch_heads, weights_.w_o, out, thread_count);
   }
 
@@ -602,6 +620,7 @@ class GqaLayer {
     detail::reshape(ws.heads, q_width);
     detail::reshape(ws.key, kv_width);
     detail::reshape(ws.value, kv_width);
+    detail::reshape(ws.query_bf16, uses_bf16_dot() ? q_width : 0);
     const Index tile = decode_tile();
     const Index buffer_width = 0;
     const auto plan = detail::plan_split(config_.n_kv_heads, config_.group_size(), config_.head_dim,
@@ -623,6 +642,8 @@ class GqaLayer {
     detail::reshape(ws.batch_query, batch, q_width);
     detail::reshape(ws.batch_key, batch, kv_width);
     if (prefix > 0) detail::reshape(ws.batch_stacked, batch, q_width);
+    detail::reshape(ws.batch_query_bf16, uses_bf16_dot() ? batch : 0, q_width);
+    if (prefix > 0) detail::reshape(ws.batch_stacked_bf16, uses_bf16_dot() ? batch : 0, q_width);
     detail::reshape(ws.batch_value, batch, kv_width);
     detail::reshape(ws.batch_heads, batch, q_width);
     auto& b = ws.batch;
@@ -674,6 +695,9 @@ class GqaLayer {
     Index head_dim;
     Index group_stride;
     bool paired_query;  // the query is in paired order (see paired_score)
+    // The query rounded to bf16, laid out as `query` (DecodeArithmetic::bf16_dot on a bf16
+    // cache, see rounded_queries), or null.
+    const Eigen::bfloat16* query_bf16 = nullptr;
 
     // Whether a layer with groups of group_size query rows scores bf16 keys in pairs.
     static bool paired_score(Index group_size, Index head_dim) {
@@ -708,6 +732,14 @@ class GqaLayer {
 
     void score(Index group, Index first, Index n, T* logits, Index ld, T* spare) const {
       detail::Prefetcher keys = prefetch_ahead(true, group, first, n);
+      if constexpr (bf16_dot_cache<Cache>) {
+        if (dot_score(query_bf16, group_size, head_dim)) {
+          detail::score_rows_bf16_dot(query_bf16 + group * group_stride, head_dim, group_size,
+                                      head_dim, cache.key_row(group, first), head_dim, n, logits,
+                                      ld, &keys);
+          return;
+        }
+      }
       if constexpr (detail::is_quantized_storage<S>) {
         detail::score_quantized<T, S>(query + group * group_stride, head_dim, group_size,
                                       cache.key_row(group, first), cache.row_stride(), head_dim, n,
@@ -722,6 +754,14 @@ class GqaLayer {
     void accumulate(Index group, Index first, Index n, const T* weights, Index ld, T* acc,
                     T* spare) const {
       detail::Prefetcher values = prefetch_ahead(false, group, first, n);
+      if constexpr (bf16_dot_cache<Cache>) {
+        if (query_bf16 != nullptr && dot_values(head_dim)) {
+          detail::accumulate_rows_bf16_dot(
+              weights, ld, group_size, cache.value_row(group, first), head_dim, head_dim, n, acc,
+              head_dim, reinterpret_cast<Eigen::bfloat16*>(spare), &values, kTokenBlock);
+          return;
+        }
+      }
       if constexpr (detail::is_quantized_storage<S>) {
         detail::accumulate_quantized<T, S>(weights, ld, group_size, cache.value_row(group, first),
                                            cache.row_stride(), head_dim, n, acc, head_dim,
@@ -735,6 +775,68 @@ class GqaLayer {
     }
   };
 
+  // Whether a step over a Cache may take the bf16 dot kernels (DecodeArithmetic::bf16_dot:
+  // plain bf16 rows, float queries, a build with the instruction), and whether this layer
+  // does: not with one query row per group (MHA), whose step measured no faster with them
+  // (decode_bf16dot/mha 0.66-0.88 of its roofline against 0.76-0.95 widened, alternating
+  // runs, L = 16384 and 65536): its float kernels are not what bounds it.
+  template <class Cache>
+  static constexpr bool bf16_dot_cache =
+      (bf16_dot_available() && std::is_same_v<T, float> &&
+       std::is_same_v<typename Cache::storage_type, Eigen::bfloat16>);
+  bool uses_bf16_dot() const {
+    return bf16_dot_available() && std::is_same_v<T, float> &&
+           arithmetic_ == DecodeArithmetic::bf16_dot && config_.group_size() >= 2;
+  }
+  // Which passes of a bf16 dot step take the dot kernels: the score, unless its rows take
+  // the outer-product score (MQA's 32 rows x 128, kernel-only: 48 ns per token against
+  // 78 by the dot kernel, bf16_dot_kernels.hpp); the values, where d_h is whole chunks of
+  // 32 (else they are summed widened, in float).
+  static bool dot_score(const Eigen::bfloat16* query_bf16, Index rows, Index head_dim) {
+#if KVATTN_HAVE_BF16_DOT  // (outer_score exists in AVX-512 builds only)
+    return query_bf16 != nullptr && !detail::kernels::outer_score<T>(rows, head_dim);
+#else
+    (void)rows, (void)head_dim;
+    return query_bf16 != nullptr;
+#endif
+  }
+  static constexpr bool dot_values(Index head_dim) { return head_dim % 32 == 0; }
+
+  // The queries (scaled, rotated, in order) rounded into `rounded` (sized by prepare) when
+  // a step over a Cache takes the bf16 dot kernels, else null.
+  template <class Cache, class Queries, class Rounded>
+  const Eigen::bfloat16* rounded_queries(const Queries& queries, Rounded& rounded) const {
+    if constexpr (bf16_dot_cache<Cache>) {
+      if (uses_bf16_dot()) {
+        rounded.noalias() = queries.template cast<Eigen::bfloat16>();  // nearest, ties even
+        return rounded.data();
+      }
+    }
+    (void)queries, (void)rounded;
+    return nullptr;
+  }
+  // Whether a step over a Cache reads bf16 keys in pairs, the query then in paired order
+  // (DecodeOps::paired_score); never with the bf16 dot kernels, which take it in order.
+  template <class Cache>
+  bool paired_query() const {
+    if constexpr (bf16_dot_cache<Cache>) {
+      if (uses_bf16_dot()) return false;
+    }
+    return DecodeOps<Cache>::paired_score(config_.group_size(), config_.head_dim);
+  }
+  // Puts `rows` output rows (d_h each) back in column order after a step over a Cache whose
+  // values were summed by the bf16 dot kernel (`rounded`: the step had a rounded query)
+  // or in pairs.
+  template <class Cache>
+  void restore_order(T* heads, Index rows, bool rounded) const {
+    const Index dh = config_.head_dim;
+    if (rounded && dot_values(dh)) {
+      for (Index r = 0; r < rows; ++r) detail::from_bf16_dot_order(heads + r * dh, dh);
+    } else if (detail::paired_rows<T, typename Cache::storage_type>(dh)) {
+      for (Index r = 0; r < rows; ++r) detail::from_paired(heads + r * dh, dh);
+    }
+  }
+
   // Tokens per accumulate block (see detail::accumulate_rows), and how far ahead of the
   // value rows being summed the accumulate prefetches (measured best at 4-8 KiB).
   static constexpr Index kTokenBlock = 16;
@@ -747,28 +849,27 @@ class GqaLayer {
   template <class Cache>
   void attend_prepared(const Cache& cache, Workspace& ws, const detail::SplitPlan& plan, T* heads,
                        Index position, T* row_max = nullptr, T* row_sum = nullptr) const {
-    using S = typename Cache::storage_type;
     const double angle = static_cast<double>(config_.rope.position_offset + position);
     rope_.rotate(ws.query.data(), angle, config_.n_heads, config_.head_dim);
     ws.query *= scale_;
     const Index group = config_.group_size();
     const Index dh = config_.head_dim;
-    if (DecodeOps<Cache>::paired_score(group, dh)) {
+    const bool paired = paired_query<Cache>();
+    if (paired) {
       for (Index h = 0; h < config_.n_heads; ++h) detail::to_paired(ws.query.data() + h * dh, dh);
     }
-    const DecodeOps<Cache> ops{cache, ws.query.data(), group,
-                               dh,    group * dh,      DecodeOps<Cache>::paired_score(group, dh)};
+    const Eigen::bfloat16* rounded = rounded_queries<Cache>(ws.query, ws.query_bf16);
+    const DecodeOps<Cache> ops{cache, ws.query.data(), group, dh, group * dh, paired, rounded};
     detail::split_attention(plan, ws.split, ops, heads,
                             row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
-    if (detail::paired_rows<T, S>(dh)) {
-      for (Index h = 0; h < config_.n_heads; ++h) detail::from_paired(heads + h * dh, dh);
-    }
+    restore_order<Cache>(heads, config_.n_heads, rounded != nullptr);
   }
 
   GqaConfig config_;
   GqaWeights<T> weights_;
   Rope rope_;
   T scale_ = T(1);
+  DecodeArithmetic arithmetic_ = DecodeArithmetic::fp32;
 };
 
 static_assert(AttentionLayer<GqaLayer<float>>);

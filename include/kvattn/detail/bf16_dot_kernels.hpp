@@ -19,9 +19,12 @@
 // Measured kernel-only (Zen 5, hot rows; the instruction runs 6.8 G per second on one
 // thread, the rate of float FMAs): MLA's 16 rows x 576 scored in 60-71 ns per token
 // against 110-113 widened; GQA's 4 rows x 128 in 5.5 against 8.3 paired (values 3.8
-// against 5.9), but looped bare over a cold cache, as in GQA's step, they gained a median
-// 2 points of the read pass (docs/benchmarks.md); MQA's 32 x 128 in 78 against 48 for
-// score_rows_outer. So only MLA's absorbed step uses them.
+// against 5.9); MQA's 32 x 128 in 78 against 48 for score_rows_outer (which MQA keeps).
+// Over a cold cache, as in a decode step (GQA's 8 groups x 65536 x 128 bf16, alternating
+// with the read pass, 2695 MHz Zen 5 VM): the score 0.78-1.20 of the read pass's rate
+// against 0.52-0.76 paired, the values in token blocks of 16 0.94-1.12 against 0.66-0.99
+// widened (whole-tile passes over half rows, as MLA takes them: 0.52-0.72). (An earlier
+// VM measured a median 2 points' gain there; docs/benchmarks.md.)
 #pragma once
 
 #include <algorithm>
@@ -195,11 +198,15 @@ inline void bf16_dot_accumulate_rows(const Eigen::bfloat16* wb, Index ld, const 
 /// are in "dot order" (dot_order_index; from_bf16_dot_order restores a row): in each block of 32
 /// columns, lanes 0-15 hold columns 0-3, 8-11, 16-19, 24-27 and lanes 16-31 columns
 /// 4-7, 12-15, 20-23, 28-31 (the interleave works within 128-bit lanes). `prefetch`
-/// (optional) is stepped once per token pair of each register block.
+/// (optional) is stepped once per token pair of each register block. `token_block` (0:
+/// all n at once; an odd one is taken as the next even) runs every register block over
+/// that many tokens before the next ones, so that rows wider than one register block are
+/// read from memory once, front to back, the other blocks finding them in L1.
 template <class T>
 void accumulate_rows_bf16_dot(const T* w, Index ld, Index G, const Eigen::bfloat16* v,
                               Index v_stride, Index dv, Index n, T* acc, Index acc_stride,
-                              Eigen::bfloat16* scratch, Prefetcher* prefetch = nullptr) {
+                              Eigen::bfloat16* scratch, Prefetcher* prefetch = nullptr,
+                              Index token_block = 0) {
   static_assert(std::is_same_v<T, float>, "the instruction sums in float");
   const Index chunks = dv / 32;
   if (n > 0 && G > 0) {
@@ -223,19 +230,27 @@ void accumulate_rows_bf16_dot(const T* w, Index ld, Index G, const Eigen::bfloat
           G / 4 * blocks(2) + (rest >= 2 ? blocks(4) : 0) + (rest % 2 == 1 ? blocks(8) : 0);
       prefetch->plan(all * pairs);
     }
-    Index i0 = 0;
-    for (; i0 + 4 <= G; i0 += 4) {
-      kernels::bf16_dot_accumulate_rows<4, 2>(scratch + i0 * ld, ld, v, v_stride, chunks, n,
-                                              acc + i0 * acc_stride, acc_stride, prefetch);
-    }
-    if (i0 + 2 <= G) {
-      kernels::bf16_dot_accumulate_rows<2, 4>(scratch + i0 * ld, ld, v, v_stride, chunks, n,
-                                              acc + i0 * acc_stride, acc_stride, prefetch);
-      i0 += 2;
-    }
-    if (i0 < G) {
-      kernels::bf16_dot_accumulate_rows<1, 8>(scratch + i0 * ld, ld, v, v_stride, chunks, n,
-                                              acc + i0 * acc_stride, acc_stride, prefetch);
+    // An odd block size would pair a block's last token with the next block's first.
+    const Index step = token_block > 0 ? (token_block + 1) / 2 * 2 : n;
+    for (Index t0 = 0; t0 < n; t0 += step) {
+      // Tokens [t0, t0 + count); an odd count is the last block's, whose weight after the
+      // last token is the zero written above.
+      const Index count = std::min(step, n - t0);
+      const Eigen::bfloat16* rows = v + t0 * v_stride;
+      Index i0 = 0;
+      for (; i0 + 4 <= G; i0 += 4) {
+        kernels::bf16_dot_accumulate_rows<4, 2>(scratch + i0 * ld + t0, ld, rows, v_stride, chunks,
+                                                count, acc + i0 * acc_stride, acc_stride, prefetch);
+      }
+      if (i0 + 2 <= G) {
+        kernels::bf16_dot_accumulate_rows<2, 4>(scratch + i0 * ld + t0, ld, rows, v_stride, chunks,
+                                                count, acc + i0 * acc_stride, acc_stride, prefetch);
+        i0 += 2;
+      }
+      if (i0 < G) {
+        kernels::bf16_dot_accumulate_rows<1, 8>(scratch + i0 * ld + t0, ld, rows, v_stride, chunks,
+                                                count, acc + i0 * acc_stride, acc_stride, prefetch);
+      }
     }
   }
   if (prefetch != nullptr) prefetch->finish();
@@ -252,7 +267,8 @@ void score_rows_bf16_dot(const Eigen::bfloat16* q, Index q_stride, Index G, Inde
 template <class T>
 void accumulate_rows_bf16_dot(const T* w, Index ld, Index G, const Eigen::bfloat16* v,
                               Index v_stride, Index dv, Index n, T* acc, Index acc_stride,
-                              Eigen::bfloat16* scratch, Prefetcher* prefetch = nullptr);
+                              Eigen::bfloat16* scratch, Prefetcher* prefetch = nullptr,
+                              Index token_block = 0);
 
 #endif
 

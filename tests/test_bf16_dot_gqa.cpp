@@ -1,0 +1,211 @@
+// DecodeArithmetic::bf16_dot on the GQA family (MHA, GQA, MQA): decode, attend and
+// decode_batch over bf16 caches (contiguous, paged, a shared prefix) against the double
+// reference on the stored rows, to the accuracy docs/api.md states. Built with the
+// default flags (no AVX512-BF16: the setting must change nothing) and at the avx512bf16
+// level (tests/CMakeLists.txt), where the kernels run. The kernels themselves are
+// checked against double loops in test_bf16_dot.cpp.
+#include "alloc_counter.hpp"  // first: replaces operator new, arms Eigen's malloc guard
+
+#include <catch2/catch.hpp>
+
+#include <span>
+#include <vector>
+
+#include "attend_util.hpp"
+#include "kvattn/attention/gqa.hpp"
+#include "kvattn/core/simd.hpp"
+#include "kvattn/reference/gqa.hpp"
+#include "test_util.hpp"
+
+using namespace kvattn;
+using namespace kvattn::test;
+
+namespace {
+
+using bf16 = Eigen::bfloat16;
+using MatF = RowMatrix<float>;
+using MatD = RowMatrix<double>;
+
+// The float paths of the suite agree with double references to 1e-5 (test_util.hpp).
+constexpr double kFloatTolerance = 1e-5;
+// The bound docs/api.md states for DecodeArithmetic::bf16_dot (argued in
+// test_bf16_dot.cpp: rounding the query and the weights each cost what the cache's own
+// rounding of the keys and values costs, 4u = 2^-6 in all).
+constexpr double kBf16DotTolerance = 1.0 / 64.0;
+
+GqaConfig small_gqa(Index n_heads, Index n_kv_heads, Index head_dim) {
+  GqaConfig c = gqa_config(32, n_heads, head_dim, n_kv_heads);
+  c.rope = {RopeLayout::half_split, 10000.0, 5};
+  return c;
+}
+
+// The family's shapes through the kernels' branches: GQA with groups of 4 (the score's
+// 4-row blocks, the values in 4 rows x 2 chunks) and of 3, a head width that is not whole
+// chunks of 32 (the score's masked tail; the values summed widened), MQA's 16 rows (the
+// outer-product score, the values by the dot kernel), and MHA, which ignores the setting
+// (one row per group: docs/api.md).
+std::vector<GqaConfig> family() {
+  return {small_gqa(3, 3, 32), small_gqa(8, 2, 64), small_gqa(6, 2, 32), small_gqa(4, 2, 48),
+          small_gqa(16, 1, 32)};
+}
+
+// The rows a cache stores (RoPE applied, rounded to its storage type), in double.
+template <class Cache>
+GqaCache<double> stored_rows(const GqaConfig& c, const Cache& cache) {
+  const Index n = cache.tokens(), dh = c.head_dim;
+  MatD keys(n, c.kv_width()), values(n, c.kv_width());
+  for (Index t = 0; t < n; ++t) {
+    for (Index g = 0; g < c.n_kv_heads; ++g) {
+      for (Index j = 0; j < dh; ++j) {
+        keys(t, g * dh + j) = static_cast<float>(cache.key_row(g, t)[j]);
+        values(t, g * dh + j) = static_cast<float>(cache.value_row(g, t)[j]);
+      }
+    }
+  }
+  GqaCache<double> stored(c);
+  stored.append(keys, values);
+  return stored;
+}
+
+}  // namespace
+
+TEST_CASE("GQA-family layers decode a bf16 cache with bf16 dot products to the stated accuracy",
+          "[bf16_dot][gqa]") {
+  for (const GqaConfig& c : family()) {
+    const auto layer = GqaLayer<float>::random(c, 60 + c.n_heads);
+    auto dot_layer = layer;
+    CHECK(dot_layer.decode_arithmetic() == DecodeArithmetic::fp32);
+    dot_layer.set_decode_arithmetic(DecodeArithmetic::bf16_dot);
+    CHECK(dot_layer.decode_arithmetic() == DecodeArithmetic::bf16_dot);
+    const auto dlayer = to_double(layer);
+    for (const Index length : {1, 7, 2000}) {
+      const MatF keys = random_input<float>(length, c.kv_width(), length + 1);
+      const MatF values = random_input<float>(length, c.kv_width(), length + 2);
+      auto narrow = layer.template make_cache<bf16>();
+      narrow.append(keys, values);
+      auto full = layer.make_cache();
+      full.append(keys, values);
+      const MatF query = random_input<float>(1, c.query_width(), length + 3);
+      const MatD want =
+          reference::decode_step(dlayer, stored_rows(c, narrow), query.cast<double>());
+      for (const Threads threads : {Threads{1}, Threads{2}}) {
+        RowVector<float> plain(layer.heads_width()), dot(layer.heads_width()),
+            dot_full(layer.heads_width()), plain_full(layer.heads_width());
+        layer.attend(query, narrow, plain, threads);
+        dot_layer.attend(query, narrow, dot, threads);
+        layer.attend(query, full, plain_full, threads);
+        dot_layer.attend(query, full, dot_full, threads);
+        const double plain_error = relative_error(plain, want);
+        const double dot_error = relative_error(dot, want);
+        CAPTURE(c.n_heads, c.n_kv_heads, c.head_dim, length, threads.count, plain_error, dot_error);
+        CHECK(plain_error <= kFloatTolerance);  // the default stays float arithmetic
+        CHECK(dot_full == plain_full);          // float caches ignore the setting
+        if (bf16_dot_available() && c.group_size() >= 2) {
+          CHECK(dot_error <= kBf16DotTolerance);
+          // The weights were rounded (and the query, but for MQA's outer-product score),
+          // so the kernels ran; one token has weight 1 whatever its logit.
+          if (length > 1) CHECK(dot_error >= 1e-5);
+        } else {
+          CHECK(dot == plain);  // without the instruction, or for MHA, the same code runs
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("GQA's bf16 dot products work on a paged bf16 cache and in decode_batch",
+          "[bf16_dot][gqa][paged][batch]") {
+  const GqaConfig c = small_gqa(8, 2, 64);
+  auto layer = GqaLayer<float>::random(c, 80);
+  layer.set_decode_arithmetic(DecodeArithmetic::bf16_dot);
+  const auto dlayer = to_double(layer);
+  // Pages of 48 tokens (tiles cut at every page's end); B forks of one prompt decoded with
+  // the prompt as a shared prefix, whose unit scores every sequence's rows of a group at
+  // once (16 rows: the outer-product score, the values by the dot kernel).
+  const Index prompt = 500;
+  const std::vector<Index> suffix{0, 3, 40, 1};
+  auto pool = make_gqa_page_pool<bf16>(c, 48, 128);
+  PagedGqaCache<float, bf16> root(c, pool);
+  layer.prefill(random_input<float>(prompt, c.d_model, 81), root);
+  std::vector<PagedGqaCache<float, bf16>> caches;
+  for (std::size_t s = 0; s < suffix.size(); ++s) {
+    caches.push_back(root);  // a fork: shares every page of the prompt
+    if (suffix[s] > 0)
+      layer.prefill(random_input<float>(suffix[s], c.d_model, 90 + s), caches.back());
+  }
+  const MatF query = random_input<float>(1, c.query_width(), 82);
+  for (const Threads threads : {Threads{1}, Threads{2}}) {
+    RowVector<float> heads(layer.heads_width());
+    layer.attend(query, root, heads, threads);
+    const MatD want = reference::decode_step(dlayer, stored_rows(c, root), query.cast<double>());
+    const double error = relative_error(heads, want);
+    CAPTURE(threads.count, error);
+    CHECK(error <= kBf16DotTolerance);
+    if constexpr (bf16_dot_available()) CHECK(error >= 1e-5);
+  }
+  const Index batch = static_cast<Index>(caches.size());
+  const MatF x = random_input<float>(batch, c.d_model, 83);
+  MatF got(batch, c.d_model);
+  std::vector<PagedGqaCache<float, bf16>*> pointers;
+  for (auto& cache : caches) pointers.push_back(&cache);
+  layer.decode_batch(x, std::span<PagedGqaCache<float, bf16>* const>(pointers), got, Threads{2},
+                     BatchOptions{prompt});
+  // Each sequence against the double reference on its cache's stored rows (the new
+  // token's included), the query projected in double, then W_O.
+  for (Index s = 0; s < batch; ++s) {
+    const MatD q = project_query(dlayer, x.row(s).cast<double>());
+    const auto& cache = caches[static_cast<std::size_t>(s)];
+    const MatD want =
+        reference::decode_step(dlayer, stored_rows(c, cache), q) * dlayer.weights().w_o;
+    const double error = relative_error(got.row(s), want);
+    CAPTURE(s, error);
+    if constexpr (bf16_dot_available()) {
+      CHECK(error <= kBf16DotTolerance);
+      CHECK(error >= 1e-5);  // the kernels ran
+    } else {
+      CHECK(error <= kFloatTolerance);  // without the instruction, float arithmetic
+    }
+  }
+}
+
+// The rounded queries live in the workspace (query_bf16, batch_query_bf16) and the
+// rounded weights in the split scratch: with a workspace sized by make_workspace and
+// warmed by a step, decode, attend and decode_batch allocate nothing, as
+// test_decode_noalloc.cpp checks for the float arithmetic.
+TEST_CASE("GQA's bf16 dot products allocate nothing after a warm-up", "[bf16_dot][gqa][alloc]") {
+  const GqaConfig c = small_gqa(8, 2, 64);
+  auto layer = GqaLayer<float>::random(c, 84);
+  layer.set_decode_arithmetic(DecodeArithmetic::bf16_dot);
+  constexpr Index kSteps = 8;
+  for (const Threads threads : {Threads{1}, Threads{2}}) {
+    std::vector<GqaCache<float, bf16>> caches;
+    for (const Index length : {1000, 300}) {
+      caches.push_back(layer.make_cache<bf16>(length + 2 * kSteps + 2));
+      caches.back().append(random_input<float>(length, c.kv_width(), length),
+                           random_input<float>(length, c.kv_width(), length + 1));
+    }
+    std::vector<GqaCache<float, bf16>*> pointers{&caches[0], &caches[1]};
+    const std::span<GqaCache<float, bf16>* const> batch(pointers);
+    const MatF x = random_input<float>(2, c.d_model, 85);
+    const MatF query = random_input<float>(1, c.query_width(), 86);
+    RowVector<float> out(c.d_model), heads(layer.heads_width());
+    MatF batch_out(2, c.d_model);
+    auto workspace = layer.make_workspace(threads);
+    // The warm-up: the OpenMP team, and the workspace's batch plan for these caches.
+    layer.decode(x.row(0), caches[0], out, workspace, threads);
+    layer.decode_batch(x, batch, batch_out, workspace, threads);
+    const auto count = count_allocations([&] {
+      for (Index i = 0; i < kSteps; ++i) {
+        layer.decode(x.row(0), caches[0], out, workspace, threads);
+        layer.attend(query, caches[0], heads, workspace, threads);
+        layer.decode_batch(x, batch, batch_out, workspace, threads);
+      }
+    });
+    CAPTURE(threads.count);
+    CHECK(count.operator_new == 0);
+    CHECK_FALSE(count.eigen_malloc);
+    CHECK(out.allFinite());
+    CHECK(heads.allFinite());
+    CHECK(batch_out.allFinite());
+  }
+}
