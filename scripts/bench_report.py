@@ -548,6 +548,13 @@ def evaluate_targets(entries, index, context=None):
     t_all = largest_T(entries, "decode", big)
     thread_counts = [1] + ([t_all] if t_all and t_all > 1 else [])
 
+    def roofline_goal(mech, T):
+        """The issue's roofline_frac goal: memory-bound 0.85 with one thread and 0.80
+        with more, compute-bound 0.75 of flop_ref."""
+        if mech in MEMORY_BOUND:
+            return 0.85 if T == 1 else 0.80
+        return 0.75
+
     def frac_target(label, key, goal):
         e = index.get(key)
         value = e.roofline_frac() if e else None
@@ -556,15 +563,13 @@ def evaluate_targets(entries, index, context=None):
 
     # a) roofline: memory-bound mechanisms >= 0.85 with one thread, >= 0.80 with all;
     #    compute-bound >= 0.75 of flop_ref; at L 16384 and 65536, fp32 and bf16 caches.
-    for mechs, goals in ((MEMORY_BOUND, {1: 0.85}), (COMPUTE_BOUND, {1: 0.75})):
-        for mech in mechs:
-            for family in ("decode", "decode_bf16"):
-                for L in (16384, big):
-                    for T in thread_counts:
-                        goal = goals[1] if T == 1 else (0.80 if mechs == MEMORY_BOUND else 0.75)
-                        targets.append(frac_target(
-                            f"a) `{family}/{mech}` L={L} T={T} roofline_frac",
-                            (family, mech, L, T), goal))
+    for mech in MEMORY_BOUND + COMPUTE_BOUND:
+        for family in ("decode", "decode_bf16"):
+            for L in (16384, big):
+                for T in thread_counts:
+                    targets.append(frac_target(
+                        f"a) `{family}/{mech}` L={L} T={T} roofline_frac",
+                        (family, mech, L, T), roofline_goal(mech, T)))
     # a) continued: for bf16 caches the issue asks for the CPU's bf16 dot-product
     #    instructions where it has them. Those are the opt-in decode_bf16dot/ rows (MLA's
     #    layers and the GQA family's), held to their mechanism's goals when this run's
@@ -573,16 +578,14 @@ def evaluate_targets(entries, index, context=None):
     #    targets.
     bf16_dot = (context or {}).get("bf16_dot") == "yes"
     if bf16_dot:
-        for mechs, goals in ((MEMORY_BOUND, {1: 0.85}), (COMPUTE_BOUND, {1: 0.75})):
-            for mech in mechs:
-                for L in (16384, big):
-                    for T in thread_counts:
-                        goal = goals[1] if T == 1 else (0.80 if mechs == MEMORY_BOUND else 0.75)
-                        key = ("decode_bf16dot", mech, L, T)
-                        if key in index:
-                            targets.append(frac_target(
-                                f"a) `decode_bf16dot/{mech}` L={L} T={T} roofline_frac "
-                                "(opt-in bf16 dot products)", key, goal))
+        for mech in MEMORY_BOUND + COMPUTE_BOUND:
+            for L in (16384, big):
+                for T in thread_counts:
+                    key = ("decode_bf16dot", mech, L, T)
+                    if key in index:
+                        targets.append(frac_target(
+                            f"a) `decode_bf16dot/{mech}` L={L} T={T} roofline_frac "
+                            "(opt-in bf16 dot products)", key, roofline_goal(mech, T)))
 
     # b) vs_naive >= 1.0 on every decode row with L >= 1024 (one line: the lowest), and
     #    >= 1.5 where the naive code re-reads a block that does not fit the LLC.

@@ -78,7 +78,9 @@ TEST_CASE("GQA-family layers decode a bf16 cache with bf16 dot products to the s
     dot_layer.set_decode_arithmetic(DecodeArithmetic::bf16_dot);
     CHECK(dot_layer.decode_arithmetic() == DecodeArithmetic::bf16_dot);
     const auto dlayer = to_double(layer);
-    for (const Index length : {1, 7, 2000}) {
+    // 9000: with two threads MQA's one group is split into ranges (flash-decoding), whose
+    // partial states are merged in the dot kernel's column order.
+    for (const Index length : {1, 7, 2000, 9000}) {
       const MatF keys = random_input<float>(length, c.kv_width(), length + 1);
       const MatF values = random_input<float>(length, c.kv_width(), length + 2);
       auto narrow = layer.template make_cache<bf16>();
@@ -97,6 +99,15 @@ TEST_CASE("GQA-family layers decode a bf16 cache with bf16 dot products to the s
         dot_layer.attend(query, full, dot_full, threads);
         const double plain_error = relative_error(plain, want);
         const double dot_error = relative_error(dot, want);
+        // attend_states takes the same step: its states, normalized, are the heads.
+        SoftmaxStates<float> states;
+        auto ws = dot_layer.make_workspace(threads);
+        dot_layer.attend_states(query, length - 1, narrow, states, ws, threads);
+        MatF normalized = states.acc;
+        for (Index h = 0; h < c.n_heads; ++h) normalized.row(h) /= states.sum(h);
+        const double states_error =
+            relative_error(normalized.reshaped<Eigen::RowMajor>().transpose(), want);
+        CHECK(states_error <= kBf16DotTolerance);
         CAPTURE(c.n_heads, c.n_kv_heads, c.head_dim, length, threads.count, plain_error, dot_error);
         CHECK(plain_error <= kFloatTolerance);  // the default stays float arithmetic
         CHECK(dot_full == plain_full);          // float caches ignore the setting
@@ -134,14 +145,26 @@ TEST_CASE("GQA's bf16 dot products work on a paged bf16 cache and in decode_batc
       layer.prefill(random_input<float>(suffix[s], c.d_model, 90 + s), caches.back());
   }
   const MatF query = random_input<float>(1, c.query_width(), 82);
+  const MatF token = random_input<float>(1, c.d_model, 87);
   for (const Threads threads : {Threads{1}, Threads{2}}) {
     RowVector<float> heads(layer.heads_width());
     layer.attend(query, root, heads, threads);
     const MatD want = reference::decode_step(dlayer, stored_rows(c, root), query.cast<double>());
     const double error = relative_error(heads, want);
-    CAPTURE(threads.count, error);
+    // decode: the new token appended (to a fork of the prompt), then the step over all.
+    auto fork = root;
+    const RowVector<float> out = layer.decode(token, fork, threads);
+    const MatD decoded = reference::decode_step(dlayer, stored_rows(c, fork),
+                                                project_query(dlayer, token.cast<double>())) *
+                         dlayer.weights().w_o;
+    const double decode_error = relative_error(out, decoded);
+    CAPTURE(threads.count, error, decode_error);
     CHECK(error <= kBf16DotTolerance);
-    if constexpr (bf16_dot_available()) CHECK(error >= 1e-5);
+    CHECK(decode_error <= kBf16DotTolerance);
+    if constexpr (bf16_dot_available()) {
+      CHECK(error >= 1e-5);
+      CHECK(decode_error >= 1e-5);
+    }
   }
   const Index batch = static_cast<Index>(caches.size());
   const MatF x = random_input<float>(batch, c.d_model, 83);

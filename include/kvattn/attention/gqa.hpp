@@ -781,26 +781,24 @@ class GqaLayer {
   // (decode_bf16dot/mha 0.66-0.88 of its roofline against 0.76-0.95 widened, alternating
   // runs, L = 16384 and 65536): its float kernels are not what bounds it.
   template <class Cache>
-  static constexpr bool bf16_dot_cache =
-      (bf16_dot_available() && std::is_same_v<T, float> &&
-       std::is_same_v<typename Cache::storage_type, Eigen::bfloat16>);
+  static constexpr bool bf16_dot_cache = detail::bf16_dot_storage<T, typename Cache::storage_type>;
   bool uses_bf16_dot() const {
     return bf16_dot_available() && std::is_same_v<T, float> &&
            arithmetic_ == DecodeArithmetic::bf16_dot && config_.group_size() >= 2;
   }
   // Which passes of a bf16 dot step take the dot kernels: the score, unless its rows take
-  // the outer-product score (MQA's 32 rows x 128, kernel-only: 48 ns per token against
-  // 78 by the dot kernel, bf16_dot_kernels.hpp); the values, where d_h is whole chunks of
-  // 32 (else they are summed widened, in float).
+  // the float outer-product score (outer_score: MQA's 32 rows x 128, kernel-only 48 ns per
+  // token against 78 by the dot kernel, bf16_dot_kernels.hpp; a shared prefix's stacked
+  // rows in decode_batch); the values, where d_h is whole chunks of 32.
   static bool dot_score(const Eigen::bfloat16* query_bf16, Index rows, Index head_dim) {
 #if KVATTN_HAVE_BF16_DOT  // (outer_score exists in AVX-512 builds only)
     return query_bf16 != nullptr && !detail::kernels::outer_score<T>(rows, head_dim);
 #else
-    (void)rows, (void)head_dim;
-    return query_bf16 != nullptr;
+    (void)query_bf16, (void)rows, (void)head_dim;
+    return false;
 #endif
   }
-  static constexpr bool dot_values(Index head_dim) { return head_dim % 32 == 0; }
+  static constexpr bool dot_values(Index head_dim) { return detail::bf16_dot_values(head_dim); }
 
   // The queries (scaled, rotated, in order) rounded into `rounded` (sized by prepare) when
   // a step over a Cache takes the bf16 dot kernels, else null.
@@ -831,7 +829,7 @@ class GqaLayer {
   void restore_order(T* heads, Index rows, bool rounded) const {
     const Index dh = config_.head_dim;
     if (rounded && dot_values(dh)) {
-      for (Index r = 0; r < rows; ++r) detail::from_bf16_dot_order(heads + r * dh, dh);
+      detail::from_bf16_dot_order(heads, rows, dh);
     } else if (detail::paired_rows<T, typename Cache::storage_type>(dh)) {
       for (Index r = 0; r < rows; ++r) detail::from_paired(heads + r * dh, dh);
     }

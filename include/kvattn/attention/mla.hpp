@@ -566,9 +566,7 @@ class MlaLayer {
         detail::from_paired(ws.batch_latent_heads.row(r).data(), dc);
     }
     if (rounded != nullptr && dot_values(dc)) {
-      for (Index r = 0; r < batch * H; ++r) {
-        detail::from_bf16_dot_order(ws.batch_latent_heads.row(r).data(), dc);
-      }
+      detail::from_bf16_dot_order(ws.batch_latent_heads.data(), batch * H, dc);
     }
     // o_h = o-bar_h W_UV_h for all B rows of head h at once.
     detail::parallel_for(H, thread_count, [&](Index h) {
@@ -716,12 +714,10 @@ class MlaLayer {
   // Whether the absorbed score of a Cache can take the bf16 dot kernel: plain (not
   // quantized) bf16 rows, float queries, a build with the instruction.
   template <class Cache>
-  static constexpr bool bf16_dot_cache =
-      (bf16_dot_available() && std::is_same_v<T, float> &&
-       std::is_same_v<typename Cache::storage_type, Eigen::bfloat16>);
+  static constexpr bool bf16_dot_cache = detail::bf16_dot_storage<T, typename Cache::storage_type>;
   // Whether the value pass of a bf16 dot step takes the dot kernel too (whole chunks of
   // 32 latent columns; else it widens the rows as with fp32).
-  static constexpr bool dot_values(Index kv_rank) { return kv_rank % 32 == 0; }
+  static constexpr bool dot_values(Index kv_rank) { return detail::bf16_dot_values(kv_rank); }
   bool uses_bf16_dot() const {
     return bf16_dot_available() && std::is_same_v<T, float> &&
            arithmetic_ == DecodeArithmetic::bf16_dot;
@@ -854,9 +850,7 @@ class MlaLayer {
       for (Index h = 0; h < c.n_heads; ++h) detail::from_paired(ws.latent_heads.row(h).data(), dc);
     }
     if (rounded != nullptr && dot_values(dc)) {  // ... or by the dot kernel
-      for (Index h = 0; h < c.n_heads; ++h) {
-        detail::from_bf16_dot_order(ws.latent_heads.row(h).data(), dc);
-      }
+      detail::from_bf16_dot_order(ws.latent_heads.data(), c.n_heads, dc);
     }
     // 3. Up-project each head's latent output by its own W_UV_h: o_h = o-bar_h W_UV_h.
     detail::parallel_for(c.n_heads, threads, [&](Index h) {

@@ -22,7 +22,7 @@
 // against 5.9); MQA's 32 x 128 in 78 against 48 for score_rows_outer (which MQA keeps).
 // Over a cold cache, as in a decode step (GQA's 8 groups x 65536 x 128 bf16, alternating
 // with the read pass, 2695 MHz Zen 5 VM): the score 0.78-1.20 of the read pass's rate
-// against 0.52-0.76 paired, the values in token blocks of 16 0.94-1.12 against 0.66-0.99
+// against 0.52-0.76 paired, the values in token blocks of 16 0.94-1.12 against 0.66-1.02
 // widened (whole-tile passes over half rows, as MLA takes them: 0.52-0.72). (An earlier
 // VM measured a median 2 points' gain there; docs/benchmarks.md.)
 #pragma once
@@ -272,6 +272,16 @@ void accumulate_rows_bf16_dot(const T* w, Index ld, Index G, const Eigen::bfloat
 
 #endif
 
+/// Whether a decode step in type T over cached rows of storage S can take the kernels
+/// above: plain bf16 rows, float queries, a build with the instruction.
+template <class T, class S>
+inline constexpr bool bf16_dot_storage = (bf16_dot_available() && std::is_same_v<T, float> &&
+                                          std::is_same_v<S, Eigen::bfloat16>);
+
+/// Whether accumulate_rows_bf16_dot takes value rows of `width` elements (whole chunks of
+/// 32; narrower or ragged rows are summed widened, in float).
+constexpr bool bf16_dot_values(Index width) { return width % 32 == 0; }
+
 /// Column j of a row in accumulate_rows_bf16_dot's order sits at dot_order_index(j).
 constexpr Index dot_order_index(Index j) {
   const Index block = j / 32 * 32, k = j % 32;
@@ -289,6 +299,12 @@ void from_bf16_dot_order(T* row, Index width) {
     for (Index k = 0; k < 32; ++k) block[k] = row[j + k];
     for (Index k = 0; k < 32; ++k) row[j + k] = block[dot_order_index(k)];
   }
+}
+
+/// `count` rows of `width`, `width` apart, back to column order (from_bf16_dot_order).
+template <class T>
+void from_bf16_dot_order(T* rows, Index count, Index width) {
+  for (Index r = 0; r < count; ++r) from_bf16_dot_order(rows + r * width, width);
 }
 
 }  // namespace kvattn::detail
