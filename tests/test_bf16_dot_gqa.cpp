@@ -8,10 +8,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstdint>
 #include <span>
 #include <vector>
 
 #include "attend_util.hpp"
+#include "bf16_dot_util.hpp"
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/core/simd.hpp"
 #include "kvattn/reference/gqa.hpp"
@@ -28,10 +30,6 @@ using MatD = RowMatrix<double>;
 
 // The float paths of the suite agree with double references to 1e-5 (test_util.hpp).
 constexpr double kFloatTolerance = 1e-5;
-// The bound docs/api.md states for DecodeArithmetic::bf16_dot (argued in
-// test_bf16_dot.cpp: rounding the query and the weights each cost what the cache's own
-// rounding of the keys and values costs, 4u = 2^-6 in all).
-constexpr double kBf16DotTolerance = 1.0 / 64.0;
 
 GqaConfig small_gqa(Index n_heads, Index n_kv_heads, Index head_dim) {
   GqaConfig c = gqa_config(32, n_heads, head_dim, n_kv_heads);
@@ -191,44 +189,15 @@ TEST_CASE("GQA's bf16 dot products work on a paged bf16 cache and in decode_batc
   }
 }
 
-// The rounded queries live in the workspace (query_bf16, batch_query_bf16) and the
-// rounded weights in the split scratch: with a workspace sized by make_workspace and
-// warmed by a step, decode, attend and decode_batch allocate nothing, as
-// test_decode_noalloc.cpp checks for the float arithmetic.
 TEST_CASE("GQA's bf16 dot products allocate nothing after a warm-up", "[bf16_dot][gqa][alloc]") {
   const GqaConfig c = small_gqa(8, 2, 64);
   auto layer = GqaLayer<float>::random(c, 84);
   layer.set_decode_arithmetic(DecodeArithmetic::bf16_dot);
-  constexpr Index kSteps = 8;
-  for (const Threads threads : {Threads{1}, Threads{2}}) {
-    std::vector<GqaCache<float, bf16>> caches;
-    for (const Index length : {1000, 300}) {
-      caches.push_back(layer.make_cache<bf16>(length + 2 * kSteps + 2));
-      caches.back().append(random_input<float>(length, c.kv_width(), length),
-                           random_input<float>(length, c.kv_width(), length + 1));
-    }
-    std::vector<GqaCache<float, bf16>*> pointers{&caches[0], &caches[1]};
-    const std::span<GqaCache<float, bf16>* const> batch(pointers);
-    const MatF x = random_input<float>(2, c.d_model, 85);
-    const MatF query = random_input<float>(1, c.query_width(), 86);
-    RowVector<float> out(c.d_model), heads(layer.heads_width());
-    MatF batch_out(2, c.d_model);
-    auto workspace = layer.make_workspace(threads);
-    // The warm-up: the OpenMP team, and the workspace's batch plan for these caches.
-    layer.decode(x.row(0), caches[0], out, workspace, threads);
-    layer.decode_batch(x, batch, batch_out, workspace, threads);
-    const auto count = count_allocations([&] {
-      for (Index i = 0; i < kSteps; ++i) {
-        layer.decode(x.row(0), caches[0], out, workspace, threads);
-        layer.attend(query, caches[0], heads, workspace, threads);
-        layer.decode_batch(x, batch, batch_out, workspace, threads);
-      }
-    });
-    CAPTURE(threads.count);
-    CHECK(count.operator_new == 0);
-    CHECK_FALSE(count.eigen_malloc);
-    CHECK(out.allFinite());
-    CHECK(heads.allFinite());
-    CHECK(batch_out.allFinite());
-  }
+  check_bf16_dot_steps_allocate_nothing(
+      layer,
+      [&](GqaCache<float, bf16>& cache, Index length, std::uint64_t seed) {
+        cache.append(random_input<float>(length, c.kv_width(), seed),
+                     random_input<float>(length, c.kv_width(), seed + 1));
+      },
+      85);
 }

@@ -778,8 +778,8 @@ class GqaLayer {
   // Whether a step over a Cache may take the bf16 dot kernels (DecodeArithmetic::bf16_dot:
   // plain bf16 rows, float queries, a build with the instruction), and whether this layer
   // does: not with one query row per group (MHA), whose step measured no faster with them
-  // (decode_bf16dot/mha 0.66-0.88 of its roofline against 0.76-0.95 widened, alternating
-  // runs, L = 16384 and 65536): its float kernels are not what bounds it.
+  // (0.66-0.88 of its roofline against 0.76-0.95 widened, alternating runs of a build that
+  // still gave MHA the setting, L = 16384 and 65536): its float kernels do not bound it.
   template <class Cache>
   static constexpr bool bf16_dot_cache = detail::bf16_dot_storage<T, typename Cache::storage_type>;
   bool uses_bf16_dot() const {
