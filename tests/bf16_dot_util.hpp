@@ -23,6 +23,22 @@ namespace kvattn::test {
 // value's rounding there. By that file's argument (independent errors add in quadrature,
 // ~u in all) the outputs stay within 4u = 2^-6 of the reference on the stored rows.
 inline constexpr double kBf16DotTolerance = 1.0 / 64.0;
+// The float paths of the suite agree with double references to 1e-5 (test_util.hpp).
+inline constexpr double kFloatTolerance = 1e-5;
+
+// A bf16 dot step's relative error against the double reference on the stored rows:
+// where the dot kernels run, within the stated bound and above float rounding (the query
+// or the weights were rounded, so they did run; a cache of one token shows nothing, its
+// weight is 1 whatever its logit); elsewhere, float arithmetic's.
+inline void check_bf16_dot_error(double error, bool kernels_run) {
+  CAPTURE(error, kernels_run);
+  if (kernels_run) {
+    CHECK(error <= kBf16DotTolerance);
+    CHECK(error >= 1e-5);
+  } else {
+    CHECK(error <= kFloatTolerance);
+  }
+}
 
 // The rounded query and weights live in the workspace and the split scratch: with a
 // workspace sized by make_workspace and warmed by a step, decode, attend and decode_batch

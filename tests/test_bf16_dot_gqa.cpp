@@ -28,9 +28,6 @@ using bf16 = Eigen::bfloat16;
 using MatF = RowMatrix<float>;
 using MatD = RowMatrix<double>;
 
-// The float paths of the suite agree with double references to 1e-5 (test_util.hpp).
-constexpr double kFloatTolerance = 1e-5;
-
 GqaConfig small_gqa(Index n_heads, Index n_kv_heads, Index head_dim) {
   GqaConfig c = gqa_config(32, n_heads, head_dim, n_kv_heads);
   c.rope = {RopeLayout::half_split, 10000.0, 5};
@@ -148,21 +145,15 @@ TEST_CASE("GQA's bf16 dot products work on a paged bf16 cache and in decode_batc
     RowVector<float> heads(layer.heads_width());
     layer.attend(query, root, heads, threads);
     const MatD want = reference::decode_step(dlayer, stored_rows(c, root), query.cast<double>());
-    const double error = relative_error(heads, want);
+    CAPTURE(threads.count);
+    check_bf16_dot_error(relative_error(heads, want), bf16_dot_available());
     // decode: the new token appended (to a fork of the prompt), then the step over all.
     auto fork = root;
     const RowVector<float> out = layer.decode(token, fork, threads);
     const MatD decoded = reference::decode_step(dlayer, stored_rows(c, fork),
                                                 project_query(dlayer, token.cast<double>())) *
                          dlayer.weights().w_o;
-    const double decode_error = relative_error(out, decoded);
-    CAPTURE(threads.count, error, decode_error);
-    CHECK(error <= kBf16DotTolerance);
-    CHECK(decode_error <= kBf16DotTolerance);
-    if constexpr (bf16_dot_available()) {
-      CHECK(error >= 1e-5);
-      CHECK(decode_error >= 1e-5);
-    }
+    check_bf16_dot_error(relative_error(out, decoded), bf16_dot_available());
   }
   const Index batch = static_cast<Index>(caches.size());
   const MatF x = random_input<float>(batch, c.d_model, 83);
@@ -178,14 +169,8 @@ TEST_CASE("GQA's bf16 dot products work on a paged bf16 cache and in decode_batc
     const auto& cache = caches[static_cast<std::size_t>(s)];
     const MatD want =
         reference::decode_step(dlayer, stored_rows(c, cache), q) * dlayer.weights().w_o;
-    const double error = relative_error(got.row(s), want);
-    CAPTURE(s, error);
-    if constexpr (bf16_dot_available()) {
-      CHECK(error <= kBf16DotTolerance);
-      CHECK(error >= 1e-5);  // the kernels ran
-    } else {
-      CHECK(error <= kFloatTolerance);  // without the instruction, float arithmetic
-    }
+    CAPTURE(s);
+    check_bf16_dot_error(relative_error(got.row(s), want), bf16_dot_available());
   }
 }
 
