@@ -47,7 +47,7 @@ inline constexpr Index kPoolRows = 1024;
 inline constexpr double kCheckTolerance = 2e-3;
 
 /// Whether `mech`'s layer uses DecodeArithmetic::bf16_dot (a mechanism with an
-/// `arithmetic` member: MLA, the GQA family).
+/// `arithmetic` member: MLA, the GQA family, LRKV).
 template <class M>
 bool uses_bf16_dot(const M& mech) {
   if constexpr (requires { mech.arithmetic; }) {

@@ -37,7 +37,7 @@
 //   decode_bf16/<mech>/L:<L>/T:<T>      the same step as decode/ on a bf16 cache
 //       (make_cache<Eigen::bfloat16>): mha at L 4096, 16384 and 65536, the others at
 //       16384 and 65536.
-//   decode_bf16dot/<gqa|mqa|mla|mla_v2>/L:<L>/T:<T>  decode_bf16/'s step with the
+//   decode_bf16dot/<gqa|mqa|mla|mla_v2|lrkv>/L:<L>/T:<T>  decode_bf16/'s step with the
 //       layer's DecodeArithmetic::bf16_dot (the query, MLA's absorbed one, and the softmax
 //       weights rounded to bf16 and multiplied by the CPU's bf16 dot-product instruction
 //       where the build has AVX512-BF16, else the same code as decode_bf16/); L 16384 and

@@ -31,6 +31,8 @@ struct LrkvMech {
 
   std::string name;
   kvattn::LrkvConfig config;
+  // The layer's DecodeArithmetic (decode_bf16dot/ rows: bf16_dot).
+  kvattn::DecodeArithmetic arithmetic = kvattn::DecodeArithmetic::fp32;
 
   bool has_naive() const { return NaiveLrkv::supports(config); }
   /// The key and value rows every head reads (shared part and its residual slice, in
@@ -38,7 +40,11 @@ struct LrkvMech {
   double block_bytes(Index L, std::size_t storage) const {
     return static_cast<double>(L) * 2.0 * (dh() + H() * r()) * static_cast<double>(storage);
   }
-  Layer make_layer() const { return Layer::random(config, 1); }
+  Layer make_layer() const {
+    Layer layer = Layer::random(config, 1);
+    layer.set_decode_arithmetic(arithmetic);
+    return layer;
+  }
   template <class S>
   std::shared_ptr<kvattn::PagePool> make_page_pool(Index page_tokens, Index pages) const {
     return kvattn::make_lrkv_page_pool<S>(config, page_tokens, pages);

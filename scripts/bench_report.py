@@ -572,7 +572,7 @@ def evaluate_targets(entries, index, context=None):
                         (family, mech, L, T), roofline_goal(mech, T)))
     # a) continued: for bf16 caches the issue asks for the CPU's bf16 dot-product
     #    instructions where it has them. Those are the opt-in decode_bf16dot/ rows (MLA's
-    #    layers and the GQA family's), held to their mechanism's goals when this run's
+    #    layers, the GQA family's and LRKV's), held to their mechanism's goals when this run's
     #    build had the instructions (context bf16_dot = yes; otherwise the rows ran the
     #    float path of decode_bf16/ and say nothing new). decode_bf16/ keeps its own
     #    targets.

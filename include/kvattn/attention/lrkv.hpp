@@ -37,6 +37,7 @@
 #include "kvattn/core/quantized.hpp"
 #include "kvattn/core/rms_norm.hpp"
 #include "kvattn/core/rope.hpp"
+#include "kvattn/core/simd.hpp"
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/detail/batch_attention.hpp"
@@ -89,6 +90,10 @@ class LrkvLayer {
         batch_rms, batch_acc, batch_heads;
     RowMatrix<T> batch_query_t;  // B*d_h x H_p: each sequence's query_t, one below the other
     detail::BatchScratch<T> batch;
+    // DecodeArithmetic::bf16_dot: query_t in bf16 pairs ((d_h / 2) x H_p x 2) and
+    // query_latent rounded (H x r rounded up to 32, zero-padded); batch_*: one row per sequence.
+    RowVector<Eigen::bfloat16> query_pairs_bf16, query_latent_bf16;
+    RowMatrix<Eigen::bfloat16> batch_query_pairs_bf16, batch_query_latent_bf16;
   };
 
   /// Validates the config and the weights (config_error / shape_error). A rope_mode full
@@ -128,6 +133,17 @@ class LrkvLayer {
   const Rope& latent_rope() const { return latent_rope_; }
   /// The scale multiplying the logits before the softmax.
   T softmax_scale() const { return scale_; }
+  /// How decode, decode_batch, attend and attend_states multiply with a bf16 cache
+  /// (core/simd.hpp): `bf16_dot` rounds the scaled queries (q_h and q~_h) to bf16 once per
+  /// step and the softmax weights once per tile, and scores the shared key and the
+  /// residual slices and sums the shared values with the CPU's bf16 dot-product
+  /// instruction where the build has it (docs/api.md, "bf16 dot products"); the residual
+  /// values, the decoupled RoPE part and the key norms stay in float. The default, `fp32`,
+  /// widens the rows and multiplies in float. Needs d_h a multiple of 32 (otherwise
+  /// ignored); other caches and the expanded paths are unaffected. Not synchronized: set
+  /// it before the layer is shared between threads.
+  void set_decode_arithmetic(DecodeArithmetic arithmetic) { arithmetic_ = arithmetic; }
+  DecodeArithmetic decode_arithmetic() const { return arithmetic_; }
 
   /// Columns of attend's query: H * (d_h + d_R), head h's [q_h | q_h^R] (the q_h^R part
   /// with rope_mode decoupled only) in columns [h*(d_h+d_R), (h+1)*(d_h+d_R)).
@@ -465,6 +481,14 @@ class LrkvLayer {
                    ws.batch_query_rope.row(s).data());
       transpose_query(ws.batch_query.row(s).data(), ws.batch_query_t.middleRows(s * dh, dh));
     }
+    const bool rounded = bf16_dot_cache<Cache> && uses_bf16_dot();
+    if (rounded) {
+      for (Index s = 0; s < batch; ++s) {
+        round_query(ws.batch_query_t.data() + s * dh * ws.batch_query_t.cols(),
+                    ws.batch_query_latent.row(s).data(), ws.batch_query_pairs_bf16.row(s).data(),
+                    ws.batch_query_latent_bf16.row(s).data());
+      }
+    }
     if constexpr (detail::is_quantized_storage<S>) {
       detail::require_finite(where, "the new tokens' keys", ws.batch_key);
       detail::require_finite(where, "the new tokens' values", ws.batch_value);
@@ -495,6 +519,11 @@ class LrkvLayer {
       ops.sequences = sequences;
       ops.query_t = ws.batch_query_t.data() + first_sequence * dh * ws.batch_query_t.cols();
       ops.query_t_stride = ws.batch_query_t.cols();
+      if (rounded) {
+        ops.query_pairs_bf16 = ws.batch_query_pairs_bf16.row(first_sequence).data();
+        ops.query_latent_bf16 = ws.batch_query_latent_bf16.row(first_sequence).data();
+        ops.latent_stride_bf16 = latent_stride_bf16();
+      }
       return ops;
     };
     detail::run_batch(ws.batch, [&](Index source) {
@@ -502,9 +531,7 @@ class LrkvLayer {
       return ops_for(*caches[static_cast<std::size_t>(source)], source, 1);
     });
     detail::finish_batch(ws.batch, ws.batch_acc.data());
-    if (detail::paired_rows<T, S>(dh)) {
-      for (Index k = 0; k < batch * H; ++k) detail::from_paired(ws.batch_acc.row(k).data(), dh);
-    }
+    restore_order<S>(ws.batch_acc, batch * H, rounded);
     // o_h = a_h V_s + (a_h R_h^V)(B_h^V)^T for all B rows of head h at once.
     detail::parallel_for(H, thread_count, [&](Index h) {
       const detail::ConstRowsMap<T> acc(ws.batch_acc.data() + h * (dh + r), batch, dh + r,
@@ -533,6 +560,49 @@ class LrkvLayer {
 
  private:
   static constexpr Index kDecodeTile = 16;
+
+  // Whether a step over a Cache may take the bf16 dot kernels (DecodeArithmetic::bf16_dot:
+  // plain bf16 rows, float queries, a build with the instruction), and whether this layer
+  // does (d_h whole chunks of 32, as the dot accumulate takes them).
+  template <class Cache>
+  static constexpr bool bf16_dot_cache = detail::bf16_dot_storage<T, typename Cache::storage_type>;
+  bool uses_bf16_dot() const {
+    return bf16_dot_available() && std::is_same_v<T, float> &&
+           arithmetic_ == DecodeArithmetic::bf16_dot && detail::bf16_dot_values(config_.head_dim);
+  }
+  // Columns per head of the rounded latent query: r in whole chunks of 32.
+  Index latent_stride_bf16() const { return (config_.rank + 31) / 32 * 32; }
+  // query_t (d_h x H_p, row stride H_p) and query_latent (H x r) rounded to bf16 (nearest,
+  // ties even) in the layouts of detail::lrkv_score_bf16_dot.
+  void round_query(const T* query_t, const T* query_latent, Eigen::bfloat16* pairs,
+                   Eigen::bfloat16* latent) const {
+    const Index hp = padded_heads();
+    const Index r = config_.rank;
+    const Index stride = latent_stride_bf16();
+    for (Index p = 0; p < config_.head_dim / 2; ++p) {
+      for (Index h = 0; h < hp; ++h) {
+        pairs[(p * hp + h) * 2] = Eigen::bfloat16(query_t[2 * p * hp + h]);
+        pairs[(p * hp + h) * 2 + 1] = Eigen::bfloat16(query_t[(2 * p + 1) * hp + h]);
+      }
+    }
+    for (Index h = 0; h < config_.n_heads; ++h) {
+      for (Index j = 0; j < stride; ++j) {
+        latent[h * stride + j] = Eigen::bfloat16(j < r ? query_latent[h * r + j] : T(0));
+      }
+    }
+  }
+  // Puts the shared columns of `rows` accumulator rows (d_h + r each) back in column order
+  // after a step whose shared values were summed by the bf16 dot kernel (`rounded`) or in
+  // pairs (storage S).
+  template <class S>
+  void restore_order(RowMatrix<T>& acc, Index rows, bool rounded) const {
+    const Index dh = config_.head_dim;
+    if (rounded) {
+      for (Index k = 0; k < rows; ++k) detail::from_bf16_dot_order(acc.row(k).data(), dh);
+    } else if (detail::paired_rows<T, S>(dh)) {
+      for (Index k = 0; k < rows; ++k) detail::from_paired(acc.row(k).data(), dh);
+    }
+  }
 
   // H rounded up to whole packets: the columns of Workspace::query_t.
   Index padded_heads() const {
@@ -681,6 +751,8 @@ class LrkvLayer {
     fit(ws.heads, H * dh);
     detail::reshape(ws.acc, H, dh + config_.rank);
     detail::reshape(ws.query_t, dh, padded_heads());
+    detail::reshape(ws.query_pairs_bf16, uses_bf16_dot() ? dh * padded_heads() : 0);
+    detail::reshape(ws.query_latent_bf16, uses_bf16_dot() ? H * latent_stride_bf16() : 0);
     const auto plan =
         detail::plan_split(1, H, dh + config_.rank, length, kDecodeTile, 0, threads, span());
     ws.split.fit(plan);
@@ -700,6 +772,9 @@ class LrkvLayer {
     detail::reshape(ws.batch_query, batch, H * dh);
     detail::reshape(ws.batch_query_latent, batch, hr);
     detail::reshape(ws.batch_query_t, batch * dh, padded_heads());
+    const Index rounded_rows = uses_bf16_dot() ? batch : 0;
+    detail::reshape(ws.batch_query_pairs_bf16, rounded_rows, dh * padded_heads());
+    detail::reshape(ws.batch_query_latent_bf16, rounded_rows, H * latent_stride_bf16());
     detail::reshape(ws.batch_query_rope, batch, H * config_.decoupled_dim());
     detail::reshape(ws.batch_key, batch, key_width());
     detail::reshape(ws.batch_value, batch, dh + hr);
@@ -743,6 +818,11 @@ class LrkvLayer {
     // apart, so each sequence's heads are scored as a single decode scores them.
     const T* query_t = nullptr;
     Index query_t_stride = 0;
+    // The same rounded to bf16 (Workspace::query_pairs_bf16, query_latent_bf16) for the
+    // bf16 dot kernels, or null.
+    const Eigen::bfloat16* query_pairs_bf16 = nullptr;
+    const Eigen::bfloat16* query_latent_bf16 = nullptr;
+    Index latent_stride_bf16 = 0;
 
     // [data, data + bytes) cut in two at `fraction`, for two consecutive kernel calls.
     static std::pair<detail::Prefetcher, detail::Prefetcher> halves(const void* data, Index bytes,
@@ -774,6 +854,10 @@ class LrkvLayer {
       ops.query_rope += b * heads * rope_dim;
       ops.sequences = 1;
       if (query_t != nullptr) ops.query_t += b * head_dim * query_t_stride;
+      if (query_pairs_bf16 != nullptr) {
+        ops.query_pairs_bf16 += b * head_dim * query_t_stride;
+        ops.query_latent_bf16 += b * heads * latent_stride_bf16;
+      }
       return ops;
     }
 
@@ -794,7 +878,9 @@ class LrkvLayer {
                                 n * value_width * Index{sizeof(S)});
       // q_h . k~_s,t for every head against the shared key (rows read by all heads) + q~_h .
       // r~_h,t, head h reading its own slice (seg = r), in one pass over each row ...
-      if (query_t != nullptr && rank >= detail::packet_size<T>) {
+      if (score_bf16_dot(rows, n, logits, ld, values)) {
+        // (the rounded queries by vdpbf16ps)
+      } else if (query_t != nullptr && rank >= detail::packet_size<T>) {
         detail::lrkv_score(query_t, query_t_stride, query_latent, heads, head_dim, rank, rows,
                            key_width, n, logits, ld, &values);
       } else {
@@ -821,28 +907,64 @@ class LrkvLayer {
       if constexpr (detail::is_quantized_storage<S>) {
         accumulate_quantized(first, n, weights, ld, acc, prefetch, spare);
       } else {
-        accumulate_plain(first, n, weights, ld, acc, prefetch);
+        accumulate_plain(first, n, weights, ld, acc, prefetch, spare);
       }
     }
 
-    void accumulate_plain(Index first, Index n, const T* weights, Index ld, T* acc,
-                          bool prefetch) const {
+    // `spare`: the softmax weights rounded to bf16 for the dot kernel (H x ld bf16).
+    void accumulate_plain(Index first, Index n, const T* weights, Index ld, T* acc, bool prefetch,
+                          T* spare) const {
       const S* rows = cache.value_row(first);
       const Index acc_stride = head_dim + rank;
       // The next tile's key rows, up to the end of their page (of a paged cache).
       const Index ahead = prefetch ? std::min(n, detail::contiguous_rows(cache, first + n)) : 0;
       auto [keys_a, keys_b] = halves(ahead > 0 ? cache.key_row(first + n) : nullptr,
                                      ahead * key_width * Index{sizeof(S)}, rank > 0 ? 0.6 : 1.0);
-      // (bf16 shared values are summed in pairs; attend_prepared restores the order.)
-      detail::accumulate_rows(weights, ld, heads, rows, value_width, 0, head_dim, n, acc,
-                              acc_stride, kTokenBlock, &keys_a,
-                              detail::paired_rows<T, S>(head_dim));
+      // (bf16 shared values are summed in pairs or by the dot kernel, each in its column
+      // order, which the callers of split_attention restore.)
+      if (!accumulate_bf16_dot(rows, n, weights, ld, acc, acc_stride, keys_a, spare)) {
+        detail::accumulate_rows(weights, ld, heads, rows, value_width, 0, head_dim, n, acc,
+                                acc_stride, kTokenBlock, &keys_a,
+                                detail::paired_rows<T, S>(head_dim));
+      }
       if (rank > 0) {
         detail::accumulate_rows(weights, ld, heads, rows + head_dim, value_width, rank, rank, n,
                                 acc + head_dim, acc_stride, kTokenBlock, &keys_b);
       }
     }
     static constexpr Index kTokenBlock = 16;
+
+    // With the rounded queries (DecodeArithmetic::bf16_dot on a bf16 cache): the tile's
+    // logits, shared and residual parts, by vdpbf16ps; false (nothing done) otherwise.
+    bool score_bf16_dot(const S* rows, Index n, T* logits, Index ld,
+                        detail::Prefetcher& prefetch) const {
+      if constexpr (bf16_dot_cache<Cache>) {
+        if (query_pairs_bf16 != nullptr) {
+          detail::lrkv_score_bf16_dot(query_pairs_bf16, query_t_stride, query_latent_bf16,
+                                      latent_stride_bf16, heads, head_dim, rank, rows, key_width, n,
+                                      logits, ld, &prefetch);
+          return true;
+        }
+      }
+      (void)rows, (void)n, (void)logits, (void)ld, (void)prefetch;
+      return false;
+    }
+    // The same for the shared values (acc rows acc_stride apart, in the dot kernel's
+    // column order), the weights rounded into `spare` (H x ld bf16).
+    bool accumulate_bf16_dot(const S* rows, Index n, const T* weights, Index ld, T* acc,
+                             Index acc_stride, detail::Prefetcher& prefetch, T* spare) const {
+      if constexpr (bf16_dot_cache<Cache>) {
+        if (query_pairs_bf16 != nullptr) {
+          detail::accumulate_rows_bf16_dot(weights, ld, heads, rows, value_width, head_dim, n, acc,
+                                           acc_stride, reinterpret_cast<Eigen::bfloat16*>(spare),
+                                           &prefetch, kTokenBlock);
+          return true;
+        }
+      }
+      (void)rows, (void)n, (void)weights, (void)ld, (void)acc, (void)acc_stride, (void)prefetch,
+          (void)spare;
+      return false;
+    }
 
     // A quantized cache (cache/lrkv_cache.hpp): the kernels run on each part's codes and
     // fold its block scales in per token (detail/quantized_kernels.hpp). The shared part
@@ -1107,11 +1229,17 @@ class LrkvLayer {
                          config_.key_norm};
     ops.query_t = ws.query_t.data();
     ops.query_t_stride = ws.query_t.cols();
+    const bool rounded = bf16_dot_cache<Cache> && uses_bf16_dot();
+    if (rounded) {
+      round_query(ws.query_t.data(), ws.query_latent.data(), ws.query_pairs_bf16.data(),
+                  ws.query_latent_bf16.data());
+      ops.query_pairs_bf16 = ws.query_pairs_bf16.data();
+      ops.query_latent_bf16 = ws.query_latent_bf16.data();
+      ops.latent_stride_bf16 = latent_stride_bf16();
+    }
     detail::split_attention(plan, ws.split, ops, ws.acc.data(),
                             row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
-    if (detail::paired_rows<T, S>(dh)) {  // bf16 shared values were summed in pairs
-      for (Index h = 0; h < H; ++h) detail::from_paired(ws.acc.row(h).data(), dh);
-    }
+    restore_order<S>(ws.acc, H, rounded);
     // o_h = a_h V_s + (a_h R_h^V)(B_h^V)^T: one r x d_h product per head, independent of L.
     detail::parallel_for(H, threads, [&](Index h) {
       auto out = Eigen::Map<RowVector<T>>(heads + h * dh, dh);
@@ -1128,6 +1256,7 @@ class LrkvLayer {
   Rope latent_rope_;
   RowMatrix<T> basis_k_gained_;  // diag(g) B^K (B^K without key_norm)
   T scale_ = T(1);
+  DecodeArithmetic arithmetic_ = DecodeArithmetic::fp32;
 };
 
 static_assert(AttentionLayer<LrkvLayer<float>>);

@@ -29,7 +29,9 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kvattn/core/simd.hpp"
 #include "kvattn/core/types.hpp"
+#include "kvattn/detail/bf16_dot_kernels.hpp"
 #include "kvattn/detail/packet_ops.hpp"
 
 namespace kvattn::detail {
@@ -172,6 +174,117 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
   }
   if (prefetch != nullptr) prefetch->finish();
 }
+
+#if KVATTN_HAVE_BF16_DOT
+
+/// lrkv_score on bf16 rows by vdpbf16ps (DecodeArithmetic::bf16_dot, bf16_dot_kernels.hpp):
+/// the same logits, from the query rounded to bf16 by the caller. `query_pairs` is the
+/// shared queries transposed in pairs, (d_h / 2) x hp x 2: element ((p * hp + h) * 2 + e)
+/// = q_h[2p + e] (d_h even, the padding heads zero), so one load is a packet of 16 heads'
+/// pairs and one 32-bit broadcast a key pair; `latent` is H x latent_stride, row h = q~_h
+/// followed by zeros up to latent_stride (r rounded up to 32). The shared part halves
+/// lrkv_score's multiply-adds and needs no widening; each residual dot product takes
+/// ceil(r / 32) instructions, its last chunk of keys loaded under a mask (never past the
+/// slice). Every head in one pass over each row, as lrkv_score.
+template <class T>
+void lrkv_score_bf16_dot(const Eigen::bfloat16* query_pairs, Index hp,
+                         const Eigen::bfloat16* latent, Index latent_stride, Index H, Index dh,
+                         Index r, const Eigen::bfloat16* rows, Index stride, Index n, T* logits,
+                         Index ld, Prefetcher* prefetch = nullptr) {
+  static_assert(std::is_same_v<T, float>, "the instruction sums in float");
+  using Pk = Packet<float>;
+  constexpr Index P = 16;
+  constexpr int TB = 8;  // tokens per register block of the shared part: 2 x 8 accumulators
+  const Index chunks = (r + 31) / 32;
+  const __mmask32 tail_mask =
+      r % 32 == 0 ? ~__mmask32{0} : static_cast<__mmask32>((std::uint64_t{1} << (r % 32)) - 1);
+  if (prefetch != nullptr) {
+    const Index token_blocks = (n + TB - 1) / TB;
+    const Index head_pairs = (hp / P + 1) / 2;
+    prefetch->plan(token_blocks * head_pairs * (dh / 2) + (n + P - 1) / P * H * chunks);
+  }
+  for (Index t0 = 0; t0 < n; t0 += P) {
+    for (Index c0 = 0; c0 < hp; c0 += 2 * P) {
+      const bool pair = c0 + P < hp;
+      Pk sums[2][P];
+      for (Index b0 = 0; b0 < P; b0 += TB) {
+        const Eigen::bfloat16* row[TB];
+        KVATTN_UNROLL
+        for (int b = 0; b < TB; ++b) row[b] = rows + std::min(t0 + b0 + b, n - 1) * stride;
+        __m512 acc0[TB], acc1[TB];
+        KVATTN_UNROLL
+        for (int b = 0; b < TB; ++b) acc0[b] = acc1[b] = _mm512_setzero_ps();
+        if (t0 + b0 < n) {
+          const Eigen::bfloat16* q = query_pairs + c0 * 2;
+          for (Index j = 0; j < dh; j += 2, q += 2 * hp) {
+            if (prefetch != nullptr) prefetch->step();
+            const __m512bh q0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q));
+            const __m512bh q1 =
+                pair ? reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + 2 * P)) : q0;
+            KVATTN_UNROLL
+            for (int b = 0; b < TB; ++b) {
+              std::int32_t both;
+              std::memcpy(&both, row[b] + j, sizeof both);
+              const __m512bh k = reinterpret_cast<__m512bh>(_mm512_set1_epi32(both));
+              acc0[b] = _mm512_dpbf16_ps(acc0[b], q0, k);
+              acc1[b] = _mm512_dpbf16_ps(acc1[b], q1, k);
+            }
+          }
+        }
+        KVATTN_UNROLL
+        for (int b = 0; b < TB; ++b) {
+          sums[0][b0 + b] = acc0[b];
+          sums[1][b0 + b] = acc1[b];
+        }
+      }
+      // The residual part, as lrkv_score: per head, 16 tokens' dot products reduced into
+      // one packet of its logits row beside the transposed shared sums.
+      for (int c = 0; c < (pair ? 2 : 1); ++c) {
+        const Index h0 = c0 + c * P;
+        const Index heads = std::min(P, H - h0);
+        ei::PacketBlock<Pk, static_cast<int>(P)> block;
+        for (Index b = 0; b < P; ++b) block.packet[b] = sums[c][b];
+        ei::ptranspose(block);
+        const Eigen::bfloat16* base[P];
+        KVATTN_UNROLL
+        for (int b = 0; b < P; ++b) base[b] = rows + std::min(t0 + b, n - 1) * stride + dh;
+        for (Index m = 0; m < heads; ++m) {
+          const Eigen::bfloat16* q = latent + (h0 + m) * latent_stride;
+          const Index offset = (h0 + m) * r;
+          Pk dots[P];
+          KVATTN_UNROLL
+          for (int b = 0; b < P; ++b) dots[b] = _mm512_setzero_ps();
+          for (Index k = 0; k < chunks; ++k) {
+            if (prefetch != nullptr) prefetch->step();
+            const __mmask32 mask = k + 1 < chunks ? ~__mmask32{0} : tail_mask;
+            const __m512bh qk = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + k * 32));
+            KVATTN_UNROLL
+            for (int b = 0; b < P; ++b) {
+              const __m512bh kp = reinterpret_cast<__m512bh>(
+                  _mm512_maskz_loadu_epi16(mask, base[b] + offset + k * 32));
+              dots[b] = _mm512_dpbf16_ps(dots[b], qk, kp);
+            }
+          }
+          ei::pstoreu(logits + (h0 + m) * ld + t0,
+                      ei::padd(block.packet[m], sum_lanes<float>(dots)));
+        }
+      }
+    }
+  }
+  if (prefetch != nullptr) prefetch->finish();
+}
+
+#else
+
+// Declared for callers' discarded `if constexpr (bf16_dot_available())` branches; never
+// defined.
+template <class T>
+void lrkv_score_bf16_dot(const Eigen::bfloat16* query_pairs, Index hp,
+                         const Eigen::bfloat16* latent, Index latent_stride, Index H, Index dh,
+                         Index r, const Eigen::bfloat16* rows, Index stride, Index n, T* logits,
+                         Index ld, Prefetcher* prefetch = nullptr);
+
+#endif
 
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
