@@ -1,5 +1,6 @@
-// Shared by the bf16 dot-product tests (test_bf16_dot.cpp, test_bf16_dot_gqa.cpp): the
-// accuracy DecodeArithmetic::bf16_dot states, and its no-allocation check. Include after
+// Shared by the bf16 dot-product tests (test_bf16_dot.cpp, test_bf16_dot_gqa.cpp,
+// test_bf16_dot_lrkv.cpp): the accuracy DecodeArithmetic::bf16_dot states, its
+// no-allocation check, and its check on paged caches and in decode_batch. Include after
 // alloc_counter.hpp (which must come first in the test's translation unit).
 #pragma once
 
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "alloc_counter.hpp"
+#include "attend_util.hpp"
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "test_util.hpp"
@@ -78,6 +80,59 @@ void check_bf16_dot_steps_allocate_nothing(const Layer& layer, Fill fill, std::u
     CHECK(out.allFinite());
     CHECK(heads.allFinite());
     CHECK(batch_out.allFinite());
+  }
+}
+
+// decode, attend and decode_batch with DecodeArithmetic::bf16_dot on a paged bf16 cache
+// (test_bf16_dot_gqa.cpp, test_bf16_dot_lrkv.cpp): `root`, an empty paged cache of the
+// layer, takes a prompt of 500 tokens (its pages cut the tiles); attend on it, decode on a
+// fork of it, and decode_batch over four forks of it with the prompt as a shared prefix
+// (each fork with a few tokens of its own, or none) are held to the stated accuracy
+// against `reference(cache, query)`: the double reference step on the cache's stored
+// rows for a query in double (the projected one for decode, then W_O).
+template <class Layer, class Cache, class Reference>
+void check_bf16_dot_paged_and_batch(const Layer& layer, const Cache& root_pages,
+                                    Reference reference) {
+  using MatF = RowMatrix<float>;
+  using MatD = RowMatrix<double>;
+  const auto dlayer = to_double(layer);
+  const Index d_model = layer.config().d_model;
+  const Index prompt = 500;
+  const std::vector<Index> suffix{0, 3, 40, 1};
+  Cache root = root_pages;
+  layer.prefill(random_input<float>(prompt, d_model, 81), root);
+  std::vector<Cache> caches;
+  for (std::size_t s = 0; s < suffix.size(); ++s) {
+    caches.push_back(root);  // a fork: shares every page of the prompt
+    if (suffix[s] > 0)
+      layer.prefill(random_input<float>(suffix[s], d_model, 90 + s), caches.back());
+  }
+  const MatF query = random_input<float>(1, layer.query_width(), 82);
+  const MatF token = random_input<float>(1, d_model, 87);
+  for (const Threads threads : {Threads{1}, Threads{2}}) {
+    RowVector<float> heads(layer.heads_width());
+    layer.attend(query, root, heads, threads);
+    CAPTURE(threads.count);
+    check_bf16_dot_error(relative_error(heads, reference(root, query.cast<double>())),
+                         bf16_dot_available());
+    // decode: the new token appended (to a fork of the prompt), then the step over all.
+    Cache fork = root;
+    const RowVector<float> out = layer.decode(token, fork, threads);
+    const MatD decoded =
+        reference(fork, project_query(dlayer, token.cast<double>())) * dlayer.weights().w_o;
+    check_bf16_dot_error(relative_error(out, decoded), bf16_dot_available());
+  }
+  const Index batch = static_cast<Index>(caches.size());
+  const MatF x = random_input<float>(batch, d_model, 83);
+  MatF got(batch, d_model);
+  std::vector<Cache*> pointers;
+  for (auto& cache : caches) pointers.push_back(&cache);
+  layer.decode_batch(x, std::span<Cache* const>(pointers), got, Threads{2}, BatchOptions{prompt});
+  for (Index s = 0; s < batch; ++s) {
+    const MatD q = project_query(dlayer, x.row(s).cast<double>());
+    const MatD want = reference(caches[static_cast<std::size_t>(s)], q) * dlayer.weights().w_o;
+    CAPTURE(s);
+    check_bf16_dot_error(relative_error(got.row(s), want), bf16_dot_available());
   }
 }
 

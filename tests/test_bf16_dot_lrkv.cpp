@@ -153,50 +153,13 @@ TEST_CASE("LRKV's bf16 dot products work on a paged bf16 cache and in decode_bat
   auto layer = LrkvLayer<float>::random(c, 80, 0.7);
   layer.set_decode_arithmetic(DecodeArithmetic::bf16_dot);
   const auto dlayer = to_double(layer);
-  // Pages of 24 tokens (tiles cut at every page's end); B forks of one prompt decoded with
-  // the prompt as a shared prefix, whose unit scores every sequence's heads in turn.
-  const Index prompt = 500;
-  const std::vector<Index> suffix{0, 3, 40, 1};
-  auto pool = make_lrkv_page_pool<bf16>(c, 24, 256);
-  PagedLrkvCache<float, bf16> root(c, pool);
-  layer.prefill(random_input<float>(prompt, c.d_model, 81), root);
-  std::vector<PagedLrkvCache<float, bf16>> caches;
-  for (std::size_t s = 0; s < suffix.size(); ++s) {
-    caches.push_back(root);  // a fork: shares every page of the prompt
-    if (suffix[s] > 0)
-      layer.prefill(random_input<float>(suffix[s], c.d_model, 90 + s), caches.back());
-  }
-  const MatF query = random_input<float>(1, layer.query_width(), 82);
-  const MatF token = random_input<float>(1, c.d_model, 87);
-  for (const Threads threads : {Threads{1}, Threads{2}}) {
-    RowVector<float> heads(layer.heads_width());
-    layer.attend(query, root, heads, threads);
-    const MatD want = reference::decode_step(dlayer, stored_rows(c, root), query.cast<double>());
-    CAPTURE(threads.count);
-    check_bf16_dot_error(relative_error(heads, want), bf16_dot_available());
-    // decode: the new token appended (to a fork of the prompt), then the step over all.
-    auto fork = root;
-    const RowVector<float> out = layer.decode(token, fork, threads);
-    const MatD decoded = reference::decode_step(dlayer, stored_rows(c, fork),
-                                                project_query(dlayer, token.cast<double>())) *
-                         dlayer.weights().w_o;
-    check_bf16_dot_error(relative_error(out, decoded), bf16_dot_available());
-  }
-  const Index batch = static_cast<Index>(caches.size());
-  const MatF x = random_input<float>(batch, c.d_model, 83);
-  MatF got(batch, c.d_model);
-  std::vector<PagedLrkvCache<float, bf16>*> pointers;
-  for (auto& cache : caches) pointers.push_back(&cache);
-  layer.decode_batch(x, std::span<PagedLrkvCache<float, bf16>* const>(pointers), got, Threads{2},
-                     BatchOptions{prompt});
-  for (Index s = 0; s < batch; ++s) {
-    const MatD q = project_query(dlayer, x.row(s).cast<double>());
-    const auto& cache = caches[static_cast<std::size_t>(s)];
-    const MatD want =
-        reference::decode_step(dlayer, stored_rows(c, cache), q) * dlayer.weights().w_o;
-    CAPTURE(s);
-    check_bf16_dot_error(relative_error(got.row(s), want), bf16_dot_available());
-  }
+  // Pages of 24 tokens; the prefix unit of decode_batch scores every sequence's heads in
+  // turn on each tile.
+  check_bf16_dot_paged_and_batch(
+      layer, PagedLrkvCache<float, bf16>(c, make_lrkv_page_pool<bf16>(c, 24, 256)),
+      [&](const PagedLrkvCache<float, bf16>& cache, const MatD& query) -> MatD {
+        return reference::decode_step(dlayer, stored_rows(c, cache), query);
+      });
 }
 
 TEST_CASE("LRKV's bf16 dot products allocate nothing after a warm-up", "[bf16_dot][lrkv][alloc]") {
