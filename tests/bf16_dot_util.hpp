@@ -84,14 +84,14 @@ void check_bf16_dot_steps_allocate_nothing(const Layer& layer, Fill fill, std::u
 }
 
 // decode, attend and decode_batch with DecodeArithmetic::bf16_dot on a paged bf16 cache
-// (test_bf16_dot_gqa.cpp, test_bf16_dot_lrkv.cpp): `root`, an empty paged cache of the
-// layer, takes a prompt of 500 tokens (its pages cut the tiles); attend on it, decode on a
-// fork of it, and decode_batch over four forks of it with the prompt as a shared prefix
+// (test_bf16_dot_gqa.cpp, test_bf16_dot_lrkv.cpp): a copy of `empty_root`, an empty
+// paged cache of the layer, takes a prompt of 500 tokens (its pages cut the tiles); attend on it,
+// decode on a fork of it, and decode_batch over four forks of it with the prompt as a shared prefix
 // (each fork with a few tokens of its own, or none) are held to the stated accuracy
 // against `reference(cache, query)`: the double reference step on the cache's stored
 // rows for a query in double (the projected one for decode, then W_O).
 template <class Layer, class Cache, class Reference>
-void check_bf16_dot_paged_and_batch(const Layer& layer, const Cache& root_pages,
+void check_bf16_dot_paged_and_batch(const Layer& layer, const Cache& empty_root,
                                     Reference reference) {
   using MatF = RowMatrix<float>;
   using MatD = RowMatrix<double>;
@@ -99,7 +99,7 @@ void check_bf16_dot_paged_and_batch(const Layer& layer, const Cache& root_pages,
   const Index d_model = layer.config().d_model;
   const Index prompt = 500;
   const std::vector<Index> suffix{0, 3, 40, 1};
-  Cache root = root_pages;
+  Cache root = empty_root;
   layer.prefill(random_input<float>(prompt, d_model, 81), root);
   std::vector<Cache> caches;
   for (std::size_t s = 0; s < suffix.size(); ++s) {

@@ -41,6 +41,7 @@
 #include "kvattn/core/threads.hpp"
 #include "kvattn/core/types.hpp"
 #include "kvattn/detail/batch_attention.hpp"
+#include "kvattn/detail/bf16_dot_kernels.hpp"
 #include "kvattn/detail/causal_attention.hpp"
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/lrkv_kernels.hpp"
@@ -60,8 +61,9 @@ template <class T, class S>
 inline constexpr bool is_lrkv_cache<PagedLrkvCache<T, S>, T> = true;
 }  // namespace detail
 
-/// An LRKV attention layer (models AttentionLayer). Immutable after construction: one
-/// layer may be used from several threads at once, each with its own workspace.
+/// An LRKV attention layer (models AttentionLayer). Immutable after construction (but for
+/// set_decode_arithmetic, to be set before sharing): one layer may be used from several
+/// threads at once, each with its own workspace.
 template <class T>
 class LrkvLayer {
  public:
@@ -140,8 +142,8 @@ class LrkvLayer {
   /// instruction where the build has it (docs/api.md, "bf16 dot products"); the residual
   /// values, the decoupled RoPE part and the key norms stay in float. The default, `fp32`,
   /// widens the rows and multiplies in float. Needs d_h a multiple of 32 (otherwise
-  /// ignored); other caches and the expanded paths are unaffected. Not synchronized: set
-  /// it before the layer is shared between threads.
+  /// ignored); other caches and prefill are unaffected. Not synchronized: set it before
+  /// the layer is shared between threads.
   void set_decode_arithmetic(DecodeArithmetic arithmetic) { arithmetic_ = arithmetic; }
   DecodeArithmetic decode_arithmetic() const { return arithmetic_; }
 
@@ -522,7 +524,7 @@ class LrkvLayer {
       if (rounded) {
         ops.query_pairs_bf16 = ws.batch_query_pairs_bf16.row(first_sequence).data();
         ops.query_latent_bf16 = ws.batch_query_latent_bf16.row(first_sequence).data();
-        ops.latent_stride_bf16 = latent_stride_bf16();
+        ops.latent_bf16_stride = latent_stride_bf16();
       }
       return ops;
     };
@@ -573,7 +575,8 @@ class LrkvLayer {
   // Columns per head of the rounded latent query: r in whole chunks of 32.
   Index latent_stride_bf16() const { return (config_.rank + 31) / 32 * 32; }
   // query_t (d_h x H_p, row stride H_p) and query_latent (H x r) rounded to bf16 (nearest,
-  // ties even) in the layouts of detail::lrkv_score_bf16_dot.
+  // ties even) in the layouts of detail::lrkv_score_bf16_dot. The kernel loads each q~_h in
+  // whole chunks of 32, unmasked: the zeros after it keep the masked-off keys' products 0.
   void round_query(const T* query_t, const T* query_latent, Eigen::bfloat16* pairs,
                    Eigen::bfloat16* latent) const {
     const Index hp = padded_heads();
@@ -822,7 +825,7 @@ class LrkvLayer {
     // bf16 dot kernels, or null.
     const Eigen::bfloat16* query_pairs_bf16 = nullptr;
     const Eigen::bfloat16* query_latent_bf16 = nullptr;
-    Index latent_stride_bf16 = 0;
+    Index latent_bf16_stride = 0;  // its row stride
 
     // [data, data + bytes) cut in two at `fraction`, for two consecutive kernel calls.
     static std::pair<detail::Prefetcher, detail::Prefetcher> halves(const void* data, Index bytes,
@@ -856,7 +859,7 @@ class LrkvLayer {
       if (query_t != nullptr) ops.query_t += b * head_dim * query_t_stride;
       if (query_pairs_bf16 != nullptr) {
         ops.query_pairs_bf16 += b * head_dim * query_t_stride;
-        ops.query_latent_bf16 += b * heads * latent_stride_bf16;
+        ops.query_latent_bf16 += b * heads * latent_bf16_stride;
       }
       return ops;
     }
@@ -878,15 +881,15 @@ class LrkvLayer {
                                 n * value_width * Index{sizeof(S)});
       // q_h . k~_s,t for every head against the shared key (rows read by all heads) + q~_h .
       // r~_h,t, head h reading its own slice (seg = r), in one pass over each row ...
-      if (score_bf16_dot(rows, n, logits, ld, values)) {
-        // (the rounded queries by vdpbf16ps)
-      } else if (query_t != nullptr && rank >= detail::packet_size<T>) {
-        detail::lrkv_score(query_t, query_t_stride, query_latent, heads, head_dim, rank, rows,
-                           key_width, n, logits, ld, &values);
-      } else {
-        const detail::SecondDot<T> residual{query_latent, rank, rank, head_dim, rank};
-        detail::score_rows(query, head_dim, heads, head_dim, rows, key_width, 0, n, logits, ld,
-                           false, &values, rank > 0 ? &residual : nullptr);
+      if (!score_bf16_dot(rows, n, logits, ld, values)) {
+        if (query_t != nullptr && rank >= detail::packet_size<T>) {
+          detail::lrkv_score(query_t, query_t_stride, query_latent, heads, head_dim, rank, rows,
+                             key_width, n, logits, ld, &values);
+        } else {
+          const detail::SecondDot<T> residual{query_latent, rank, rank, head_dim, rank};
+          detail::score_rows(query, head_dim, heads, head_dim, rows, key_width, 0, n, logits, ld,
+                             false, &values, rank > 0 ? &residual : nullptr);
+        }
       }
       // ... / rho_h,t ...
       if (key_norm) {
@@ -911,7 +914,8 @@ class LrkvLayer {
       }
     }
 
-    // `spare`: the softmax weights rounded to bf16 for the dot kernel (H x ld bf16).
+    // `spare`: the softmax weights rounded to bf16 for the dot kernel (H x ld bf16, half of
+    // the H x ld scalars the driver's contract gives).
     void accumulate_plain(Index first, Index n, const T* weights, Index ld, T* acc, bool prefetch,
                           T* spare) const {
       const S* rows = cache.value_row(first);
@@ -941,7 +945,7 @@ class LrkvLayer {
       if constexpr (bf16_dot_cache<Cache>) {
         if (query_pairs_bf16 != nullptr) {
           detail::lrkv_score_bf16_dot(query_pairs_bf16, query_t_stride, query_latent_bf16,
-                                      latent_stride_bf16, heads, head_dim, rank, rows, key_width, n,
+                                      latent_bf16_stride, heads, head_dim, rank, rows, key_width, n,
                                       logits, ld, &prefetch);
           return true;
         }
@@ -1235,7 +1239,7 @@ class LrkvLayer {
                   ws.query_latent_bf16.data());
       ops.query_pairs_bf16 = ws.query_pairs_bf16.data();
       ops.query_latent_bf16 = ws.query_latent_bf16.data();
-      ops.latent_stride_bf16 = latent_stride_bf16();
+      ops.latent_bf16_stride = latent_stride_bf16();
     }
     detail::split_attention(plan, ws.split, ops, ws.acc.data(),
                             row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);

@@ -37,11 +37,11 @@ constexpr const char* simd_level() {
 /// How a decode step multiplies with bf16 cached rows (docs/api.md, "bf16 dot products").
 /// `fp32`: the rows are widened and every product and sum is a float one, so a bf16
 /// cache's decode equals float arithmetic on its stored rows. `bf16_dot`: where the build
-/// has AVX512-BF16 (bf16_dot_available()), MLA and the GQA family (groups of two or more
-/// query rows: GQA, MQA) round the query (MLA's absorbed one; once per step) and the
-/// softmax weights (once per tile) to bf16 and multiply by the CPU's bf16 dot-product
-/// instruction (float sums); elsewhere, and for other caches and mechanisms, the same as
-/// `fp32`.
+/// has AVX512-BF16 (bf16_dot_available()), MLA, the GQA family (groups of two or more
+/// query rows: GQA, MQA) and LRKV (d_h a multiple of 32) round the query (MLA's absorbed
+/// one, LRKV's q_h and q~_h; once per step) and the softmax weights (once per tile) to
+/// bf16 and multiply by the CPU's bf16 dot-product instruction (float sums); elsewhere,
+/// and for other caches and mechanisms, the same as `fp32`.
 enum class DecodeArithmetic { fp32, bf16_dot };
 
 /// Whether this translation unit's kernels have the bf16 dot-product instruction

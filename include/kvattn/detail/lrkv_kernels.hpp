@@ -1,6 +1,8 @@
-// LRKV's decode score kernel (attention/lrkv.hpp, DecodeOps): every head's logits
+// LRKV's decode score kernels (attention/lrkv.hpp, DecodeOps): every head's logits
 // against a tile of cached key rows [k~_s | r~_1 ... r~_H | ...], the shared part and
-// each head's residual slice in one pass over each row.
+// each head's residual slice in one pass over each row. lrkv_score in float (below);
+// lrkv_score_bf16_dot on bf16 rows with a query rounded to bf16 (DecodeArithmetic::
+// bf16_dot, AVX512-BF16 builds), the same blocks in its own layouts (see its comment).
 //
 // Shapes (rows are tokens): token t's key row at rows + t * stride, t < n; the shared
 // part k~_s,t is its first d_h elements, head h's residual r~_h,t the r elements at
@@ -185,7 +187,8 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
 /// followed by zeros up to latent_stride (r rounded up to 32). The shared part halves
 /// lrkv_score's multiply-adds and needs no widening; each residual dot product takes
 /// ceil(r / 32) instructions, its last chunk of keys loaded under a mask (never past the
-/// slice). Every head in one pass over each row, as lrkv_score.
+/// slice). Every head in one pass over each row, as lrkv_score. hp is a multiple of 16 (the
+/// packets of heads).
 template <class T>
 void lrkv_score_bf16_dot(const Eigen::bfloat16* query_pairs, Index hp,
                          const Eigen::bfloat16* latent, Index latent_stride, Index H, Index dh,
@@ -194,6 +197,7 @@ void lrkv_score_bf16_dot(const Eigen::bfloat16* query_pairs, Index hp,
   static_assert(std::is_same_v<T, float>, "the instruction sums in float");
   using Pk = Packet<float>;
   constexpr Index P = 16;
+  static_assert(packet_size<float> == P, "AVX-512 packets: 16 heads per query load");
   constexpr int TB = 8;  // tokens per register block of the shared part: 2 x 8 accumulators
   const Index chunks = (r + 31) / 32;
   const __mmask32 tail_mask =
