@@ -20,7 +20,9 @@
 //                    one horizontal sum per token. The tile is read front to back, one
 //                    sequential stream, which the caller's Prefetcher runs ahead of.
 //                    Many rows against narrow shared keys take outer products over a
-//                    transposed chunk instead (score_rows_outer, AVX-512).
+//                    transposed chunk instead (score_rows_outer, AVX-512); up to 4 rows
+//                    may read one token at a time (score_rows_by_token, see
+//                    score_by_token for where).
 //   accumulate_rows  acc (G x d_v) += W V_tile: M rows x D packets of columns held in
 //                    registers while the tokens stream by (one broadcast weight per row
 //                    and D value packets per token).
@@ -353,6 +355,112 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
     default:
       score_rows_lanes<T, S, Layout, B1>(q, q_stride, G, dk, k, k_stride, seg, n, logits, ld, add,
                                          prefetch, second);
+      break;
+  }
+}
+
+// The score of at most 4 query rows against shared keys, one token at a time: the row's
+// column packets front to back, one accumulator per query row, the sums reduced
+// (sum_rows) and stored before the next token, the prefetcher stepped once per token.
+// The register blocks above keep 4-6 tokens in flight instead, reading a line of each in
+// turn, which on AVX2 streamed worse from a cold cache (score_by_token says where each
+// is taken, and what was measured).
+template <class T, class S, int M, int Layout>
+void score_rows_by_token(const T* q, Index q_stride, Index dk, const S* k, Index k_stride, Index n,
+                         T* logits, Index ld, bool add, Prefetcher* prefetch) {
+  constexpr Index P = packet_size<T>;
+  const Index full = dk / P * P;
+  if (prefetch != nullptr) prefetch->plan(n);  // a step per token
+  BlockPrefetcher blockwise(prefetch);
+  prefetch = blockwise.get();
+  for (Index t = 0; t < n; ++t) {
+    const S* row = k + t * k_stride;
+    if (prefetch != nullptr) prefetch->step();
+    Packet<T> acc[M];
+    KVATTN_UNROLL
+    for (int m = 0; m < M; ++m) acc[m] = ei::pset1<Packet<T>>(T(0));
+    if constexpr (Layout == kPaired) {
+#if KVATTN_PAIRED_BF16
+      // dk is whole pairs of packets (paired_score_rows), the query in paired order.
+      KVATTN_UNROLL_4
+      for (Index j = 0; j < dk; j += 2 * P) {
+        const RawBf16 raw = load_bf16_raw(row + j);
+        const Packet<T> even = bf16_even(raw), odd = bf16_odd(raw);
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) {
+          acc[m] = ei::pmadd(ei::ploadu<Packet<T>>(q + m * q_stride + j), even, acc[m]);
+          acc[m] = ei::pmadd(ei::ploadu<Packet<T>>(q + m * q_stride + j + P), odd, acc[m]);
+        }
+      }
+#endif
+    } else {
+      KVATTN_UNROLL_4
+      for (Index j = 0; j < full; j += P) {
+        const Packet<T> kp = load_widened<T>(row + j);
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m)
+          acc[m] = ei::pmadd(ei::ploadu<Packet<T>>(q + m * q_stride + j), kp, acc[m]);
+      }
+      if (full < dk) {  // the overlapping last packet, its repeated lanes zeroed in both
+        const Index skip = P - (dk - full);
+        const Packet<T> kp = zero_first<T>(load_widened<T>(row + dk - P), skip);
+        KVATTN_UNROLL
+        for (int m = 0; m < M; ++m) {
+          const Packet<T> qp =
+              zero_first<T>(ei::ploadu<Packet<T>>(q + m * q_stride + dk - P), skip);
+          acc[m] = ei::pmadd(qp, kp, acc[m]);
+        }
+      }
+    }
+    T sums[M];
+    sum_rows<T, M>(acc, sums);
+    KVATTN_UNROLL
+    for (int m = 0; m < M; ++m) {
+      T& o = logits[m * ld + t];
+      o = add ? o + sums[m] : sums[m];
+    }
+  }
+}
+
+// Whether G query rows against shared keys in storage S take score_rows_by_token.
+// Measured on decode steps of the real driver over cold caches (both kernels on the same
+// cache, alternating, Zen 5, L = 65536, d_h 128, rates against a plain read pass):
+//   16 registers (AVX2): GQA fp32 (4 rows) 0.70-0.73 by token against 0.57-0.63 in
+//     blocks, GQA bf16 (4 rows, widened) 0.47-0.48 against 0.44-0.45, MHA bf16 (paired)
+//     0.94-0.97 against 0.88-0.98;
+//   32 registers (AVX-512): MHA bf16 0.89-0.96 against 0.85-0.96, but GQA bf16 0.58-0.71
+//     against 0.62-0.94 for the paired 4-row blocks and GQA fp32 the same or slower;
+//   one fp32 row (MHA), either ISA: the same or slower (its 16-token blocks already read
+//     nearly in order, score_sub_block).
+template <class T, class S>
+constexpr bool score_by_token(Index G) {
+  if (G < 1 || G > 4 || (G == 1 && std::is_same_v<S, T>)) return false;
+  if constexpr (many_registers) {
+    return G == 1;
+  } else {
+    return true;
+  }
+}
+
+template <class T, class S, int Layout>
+void score_rows_by_token(Index G, const T* q, Index q_stride, Index dk, const S* k, Index k_stride,
+                         Index n, T* logits, Index ld, bool add, Prefetcher* prefetch) {
+  switch (G) {
+    case 1:
+      score_rows_by_token<T, S, 1, Layout>(q, q_stride, dk, k, k_stride, n, logits, ld, add,
+                                           prefetch);
+      break;
+    case 2:
+      score_rows_by_token<T, S, 2, Layout>(q, q_stride, dk, k, k_stride, n, logits, ld, add,
+                                           prefetch);
+      break;
+    case 3:
+      score_rows_by_token<T, S, 3, Layout>(q, q_stride, dk, k, k_stride, n, logits, ld, add,
+                                           prefetch);
+      break;
+    default:
+      score_rows_by_token<T, S, 4, Layout>(q, q_stride, dk, k, k_stride, n, logits, ld, add,
+                                           prefetch);
       break;
   }
 }
@@ -715,8 +823,13 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
     if (paired && paired_score_rows<T, S>(dk) && seg == 0) {
       const bool narrow = second != nullptr && second->dk < P;
       if (n > 0 && G > 0) {
-        kernels::score_rows<T, S, kernels::kPaired>(q, q_stride, G, dk, k, k_stride, 0, n, logits,
-                                                    ld, add, prefetch, narrow ? nullptr : second);
+        if (second == nullptr && kernels::score_by_token<T, S>(G)) {
+          kernels::score_rows_by_token<T, S, kernels::kPaired>(G, q, q_stride, dk, k, k_stride, n,
+                                                               logits, ld, add, prefetch);
+        } else {
+          kernels::score_rows<T, S, kernels::kPaired>(q, q_stride, G, dk, k, k_stride, 0, n, logits,
+                                                      ld, add, prefetch, narrow ? nullptr : second);
+        }
       }
       if (prefetch != nullptr) prefetch->finish();
       if (narrow) {
@@ -757,6 +870,12 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
         return;
       }
 #endif
+      if (second == nullptr && kernels::score_by_token<T, S>(G)) {
+        kernels::score_rows_by_token<T, S, kernels::kShared>(G, q, q_stride, dk, k, k_stride, n,
+                                                             logits, ld, add, prefetch);
+        if (prefetch != nullptr) prefetch->finish();
+        return;
+      }
       kernels::score_rows<T, S, kernels::kShared>(q, q_stride, G, dk, k, k_stride, 0, n, logits, ld,
                                                   add, prefetch, second);
     }
