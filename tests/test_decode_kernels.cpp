@@ -139,8 +139,9 @@ TEST_CASE("simd_level names the instruction set the kernels use", "[kernels]") {
 #endif
 }
 
-// Up to 4 rows may take the by-token kernel (kernels::score_by_token: AVX2, and bf16 MHA
-// on AVX-512), 5 and 32 the register blocks.
+// Up to 4 rows may take the by-token kernel (kernels::score_by_token: fp32 2-4 rows and
+// bf16 1-4 rows with 16 registers, one bf16 row with 32), 5 and 32 the register blocks;
+// with and without `add` on each.
 TEST_CASE("score_rows equals a plain loop at awkward sizes", "[kernels]") {
   for (const Index dk : kSizes) {
     for (const Index G : {1, 2, 3, 4, 5, 32}) {
@@ -152,6 +153,7 @@ TEST_CASE("score_rows equals a plain loop at awkward sizes", "[kernels]") {
       check_score<float>(G, dk, 29, false, true);
       check_score<float>(G, dk, 29, true, true);
       check_score<Eigen::bfloat16>(G, dk, 29, false, false);
+      check_score<Eigen::bfloat16>(G, dk, 29, false, true);
       check_score<Eigen::bfloat16>(G, dk, 29, true, true);
     }
   }
@@ -283,8 +285,9 @@ TEST_CASE("bf16 rows read in pairs: paired queries and accumulators", "[kernels]
   for (const Index width : {16, 32, 128, 576}) {
     if (!detail::paired_score_rows<float, Eigen::bfloat16>(width)) continue;
     // G = 4, 8: whole 4-row blocks (AVX-512's 4 x 4 paired block); 3, 5, 6: a 2- or
-    // 1-row block after them; 16: many blocks.
-    for (const Index G : {1, 3, 4, 5, 6, 8, 16}) {
+    // 1-row block after them; 16: many blocks. With 16 registers G = 1 ... 4 are scored
+    // by token (kernels::score_by_token).
+    for (const Index G : {1, 2, 3, 4, 5, 6, 8, 16}) {
       const Index n = 29, ld = n + 3, stride = width + 16;
       const auto q = random_values<float>(G * width, 51);
       const auto k = random_values<Eigen::bfloat16>(n * stride, 52);
@@ -344,8 +347,9 @@ TEST_CASE("to_paired puts each pair block's even elements first; from_paired und
   REQUIRE(paired == row);
 }
 
-// bf16 values of up to 4 rows take 2-row blocks of the whole width on AVX-512 where the
-// row fits them (accumulate_block_rows: dv <= 128 here), 4-row blocks elsewhere.
+// bf16 values of 4 rows take 2-row blocks of the whole width on AVX-512 where the row
+// needs 5 to 8 packets (accumulate_rows decides: dv = 111, 127 here), 4-row blocks
+// elsewhere.
 TEST_CASE("accumulate_rows equals a plain loop at awkward sizes", "[kernels]") {
   for (const Index dv : kSizes) {
     for (const Index G : {1, 2, 3, 4, 5, 32}) {

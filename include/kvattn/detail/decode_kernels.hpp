@@ -362,9 +362,10 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
 // The score of at most 4 query rows against shared keys, one token at a time: the row's
 // column packets front to back, one accumulator per query row, the sums reduced
 // (sum_rows) and stored before the next token, the prefetcher stepped once per token.
-// The register blocks above keep 4-6 tokens in flight instead, reading a line of each in
-// turn, which on AVX2 streamed worse from a cold cache (score_by_token says where each
-// is taken, and what was measured).
+// The register blocks above keep several tokens in flight instead (6 for 4 rows on
+// AVX-512, 6 for 2 rows on AVX2; 16 for one row, read 4 at a time, or 12 side by side in
+// AVX2's paired form), reading a line of each in turn, which streamed worse from a cold
+// cache where score_by_token takes this kernel (it says what was measured).
 template <class T, class S, int M, int Layout>
 void score_rows_by_token(const T* q, Index q_stride, Index dk, const S* k, Index k_stride, Index n,
                          T* logits, Index ld, bool add, Prefetcher* prefetch) {
@@ -422,7 +423,8 @@ void score_rows_by_token(const T* q, Index q_stride, Index dk, const S* k, Index
   }
 }
 
-// Whether G query rows against shared keys in storage S take score_rows_by_token.
+// Whether G query rows against shared keys in storage S take score_rows_by_token: float
+// queries against bf16 or fp32 keys only (quantized codes and double were not measured).
 // Measured on decode steps of the real driver over cold caches (both kernels on the same
 // cache, alternating, Zen 5, L = 65536, d_h 128, rates against a plain read pass):
 //   16 registers (AVX2): GQA fp32 (4 rows) 0.70-0.73 by token against 0.57-0.63 in
@@ -432,13 +434,17 @@ void score_rows_by_token(const T* q, Index q_stride, Index dk, const S* k, Index
 //     against 0.62-0.94 for the paired 4-row blocks and GQA fp32 the same or slower;
 //   one fp32 row (MHA), either ISA: the same or slower (its 16-token blocks already read
 //     nearly in order, score_sub_block).
+// Other 16-register ISAs (SSE2) follow AVX2, other 32-register ones (NEON) AVX-512,
+// unmeasured.
 template <class T, class S>
 constexpr bool score_by_token(Index G) {
-  if (G < 1 || G > 4 || (G == 1 && std::is_same_v<S, T>)) return false;
+  constexpr bool bf16 = std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>;
+  constexpr bool fp32 = std::is_same_v<T, float> && std::is_same_v<S, float>;
+  if (G < 1 || G > 4) return false;
   if constexpr (many_registers) {
-    return G == 1;
+    return bf16 && G == 1;
   } else {
-    return true;
+    return bf16 || (fp32 && G >= 2);
   }
 }
 
@@ -458,7 +464,8 @@ void score_rows_by_token(Index G, const T* q, Index q_stride, Index dk, const S*
       score_rows_by_token<T, S, 3, Layout>(q, q_stride, dk, k, k_stride, n, logits, ld, add,
                                            prefetch);
       break;
-    default:
+    default:  // 4 (score_by_token)
+      eigen_assert(G == 4);
       score_rows_by_token<T, S, 4, Layout>(q, q_stride, dk, k, k_stride, n, logits, ld, add,
                                            prefetch);
       break;
@@ -754,15 +761,16 @@ inline constexpr bool kEightRowBlocks = false;
 #endif
 inline constexpr Index kEightRowsWidth = 256;
 //
-// Or 2 (`whole`): for up to 4 rows of widened (bf16) values whose row fits 2-row blocks
-// whole (at most kBlockAccumulators / 2 packets), on 32-register ISAs. With 4-row blocks
-// each token block's rows are read in two column halves, a line of each row in turn;
-// with 2-row blocks of the whole width the first block reads them front to back and the
-// second from L1. Measured on the real driver over cold caches (AVX-512, Zen 5, GQA, 4
-// rows x 128, both kernels on the same cache, alternating, L = 65536): the value pass
-// alone 0.93-1.02 of a read pass against 0.75-0.86, the decode step 0.65-0.85 against
-// 0.65-0.81, faster in 14 of 15 pairs (median +3%); fp32 values, alone 0.92-0.96 against
-// 0.84-0.87, made the step 1-6% slower, and keep 4-row blocks.
+// Or 2 (`whole`, decided by accumulate_rows): for 4 rows of bf16 values on 32-register
+// ISAs whose row is too wide for one 4-row block but fits a 2-row one (5 to 8 packets,
+// d_h 65-128 on AVX-512). A 4-row block then reads each token block's rows in two column
+// halves, a line of each row in turn; 2-row blocks of the whole width read them front to
+// back in the first block and from L1 (small token blocks) in the second. Measured on
+// the real driver over cold caches (AVX-512, Zen 5, GQA, 4 rows x 128, both kernels on
+// the same cache, alternating, L = 65536): the value pass alone 0.93-1.02 of a read pass
+// against 0.75-0.86, the decode step 0.65-0.85 against 0.65-0.81, faster in 14 of 15
+// pairs (median +3%); fp32 values, alone 0.92-0.96 against 0.84-0.87, made the step 1-6%
+// slower, and keep 4-row blocks. (2 and 3 rows take 2-row blocks anyway.)
 constexpr int accumulate_block_rows(Index left, bool eight, bool whole = false) {
   if (whole) return left >= 2 ? 2 : 1;
   return kEightRowBlocks && eight && left >= 8 ? 8 : block_rows(left);
@@ -780,8 +788,9 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
   const bool eight = EightRows && dv >= kEightRowsWidth;
   constexpr bool WholeRows = many_registers && Layout == kShared && std::is_same_v<T, float> &&
                              std::is_same_v<S, Eigen::bfloat16>;
+  const Index packets = (dv + packet_size<T> - 1) / packet_size<T>;
   const bool whole =
-      WholeRows && G <= 4 && (dv + packet_size<T> - 1) / packet_size<T> <= kBlockAccumulators / 2;
+      WholeRows && G == 4 && packets > kBlockAccumulators / 4 && packets <= kBlockAccumulators / 2;
   if (prefetch != nullptr) {
     Index column_blocks = 0;
     for (Index i0 = 0; i0 < G; i0 += accumulate_block_rows(G - i0, eight, whole)) {

@@ -327,29 +327,13 @@ inline Packet<T> sum_lanes(const Packet<T>* acc) {
 #endif
 
 /// The sums of M <= 4 accumulators into out[0, M): a by-token kernel's per-token
-/// reduction (detail::kernels::score_rows_by_token). Four float packets share one
-/// halving tree (8 shuffles and 6 adds on AVX-512, 3 hadds on AVX2) instead of four
-/// horizontal sums of 8 operations each.
+/// reduction (detail::kernels::score_rows_by_token). Four 8-float packets (AVX2, where
+/// that kernel takes 4 rows) share one tree of 3 hadds and an add instead of four
+/// horizontal sums.
 template <class T, int M>
 inline void sum_rows(const Packet<T>* acc, T* out) {
   static_assert(M >= 1 && M <= 4);
-#if defined(EIGEN_VECTORIZE_AVX512)
-  if constexpr (std::is_same_v<T, float> && M == 4) {
-    auto halves = [](__m512 a, __m512 b) {  // [a_lo + a_hi | b_lo + b_hi]
-      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    };
-    const __m512 ab = halves(acc[0], acc[1]), cd = halves(acc[2], acc[3]);
-    // 128-bit quarter k holds four partial sums of acc[k] ...
-    const __m512 x =
-        _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-    // ... added within the quarter, then lane 0 of each quarter gathered.
-    const __m512 y = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-    const __m512 z = _mm512_add_ps(y, _mm512_permute_ps(y, 0xB1));
-    const __m512i first_lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
-    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(first_lanes, z)));
-    return;
-  }
-#elif defined(EIGEN_VECTORIZE_AVX)
+#if defined(EIGEN_VECTORIZE_AVX) && !defined(EIGEN_VECTORIZE_AVX512)
   if constexpr (std::is_same_v<T, float> && M == 4) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
