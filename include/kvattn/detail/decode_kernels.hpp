@@ -21,8 +21,8 @@
 //                    sequential stream, which the caller's Prefetcher runs ahead of.
 //                    Many rows against narrow shared keys take outer products over a
 //                    transposed chunk instead (score_rows_outer, AVX-512); up to 4 rows
-//                    may read one token at a time (score_rows_by_token, see
-//                    score_by_token for where).
+//                    may read one token at a time, their sums reduced per token
+//                    (score_rows_by_token, see score_by_token for where).
 //   accumulate_rows  acc (G x d_v) += W V_tile: M rows x D packets of columns held in
 //                    registers while the tokens stream by (one broadcast weight per row
 //                    and D value packets per token).
@@ -447,6 +447,12 @@ constexpr bool score_by_token(Index G) {
     return bf16 || (fp32 && G >= 2);
   }
 }
+
+// Whether any number of rows takes score_rows_by_token for these types on this ISA (1
+// row covers bf16 with 32 registers, 4 rows every case with 16), so that the shared-key
+// scores of other types (fp32 on AVX-512, double, quantized codes) never instantiate it.
+template <class T, class S>
+constexpr bool any_score_by_token = score_by_token<T, S>(1) || score_by_token<T, S>(4);
 
 template <class T, class S, int Layout>
 void score_rows_by_token(Index G, const T* q, Index q_stride, Index dk, const S* k, Index k_stride,
@@ -894,11 +900,13 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
         return;
       }
 #endif
-      if (second == nullptr && kernels::score_by_token<T, S>(G)) {
-        kernels::score_rows_by_token<T, S, kernels::kShared>(G, q, q_stride, dk, k, k_stride, n,
-                                                             logits, ld, add, prefetch);
-        if (prefetch != nullptr) prefetch->finish();
-        return;
+      if constexpr (kernels::any_score_by_token<T, S>) {
+        if (second == nullptr && kernels::score_by_token<T, S>(G)) {
+          kernels::score_rows_by_token<T, S, kernels::kShared>(G, q, q_stride, dk, k, k_stride, n,
+                                                               logits, ld, add, prefetch);
+          if (prefetch != nullptr) prefetch->finish();
+          return;
+        }
       }
       kernels::score_rows<T, S, kernels::kShared>(q, q_stride, G, dk, k, k_stride, 0, n, logits, ld,
                                                   add, prefetch, second);
