@@ -831,15 +831,8 @@ class MlaLayer {
     using S = typename Cache::storage_type;
     const MlaConfig& c = config_;
     const Index dc = c.kv_rank;
-    const Index dn = c.qk_nope_dim;
-    const Index dr = c.rope_dim;
-    const Index qd = c.qk_head_dim();
     // 1. Absorb W_UK into each head's content query, at run time, and scale.
-    detail::parallel_for(c.n_heads, threads, [&](Index h) {
-      ws.absorbed.row(h).head(dc).noalias() =
-          scale_ * ws.query.segment(h * qd, dn) * weights_.w_uk.middleCols(h * dn, dn).transpose();
-      ws.absorbed.row(h).tail(dr) = scale_ * ws.query.segment(h * qd + dn, dr);
-    });
+    absorb_queries(ws.query.data(), ws.absorbed.data(), threads);
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
     const Eigen::bfloat16* rounded = absorbed_bf16<Cache>(ws.absorbed, ws.absorbed_bf16);
     const Index width = c.cache_elements_per_token();
@@ -853,9 +846,47 @@ class MlaLayer {
       detail::from_bf16_dot_order(ws.latent_heads.data(), c.n_heads, dc);
     }
     // 3. Up-project each head's latent output by its own W_UV_h: o_h = o-bar_h W_UV_h.
-    detail::parallel_for(c.n_heads, threads, [&](Index h) {
-      Eigen::Map<RowVector<T>>(heads + h * c.v_dim, c.v_dim).noalias() =
-          ws.latent_heads.row(h) * weights_.w_uv.middleCols(h * c.v_dim, c.v_dim);
+    up_project_heads(ws.latent_heads.data(), heads, threads);
+  }
+
+  // The two products of a decode step with the up-projections, as the decode kernels'
+  // segmented passes over the rows of W_UK and W_UV (d_c x H*d, row-major: row i holds
+  // every head's column block i), one contiguous range of heads per thread, so that each
+  // matrix is read front to back once. Taken head by head, each a product with the
+  // head's own column block, every 64 KiB row of DeepSeek-V2's matrices was visited 128
+  // times, 512 bytes at a time, and read at 16-22 GB/s where this way reads 27-34 (one
+  // thread, cold, AVX-512 VM; docs/benchmarks.md, "MLA's up-projections").
+  //
+  // absorbed_h = scale [q_h^nope W_UK_h^T | q_h^R] (H x (d_c + d_R)) from the rotated
+  // query [q_h^nope | q_h^R] per head: row h of the segmented score reads columns
+  // h d_nope ... of every row of W_UK.
+  void absorb_queries(const T* query, T* absorbed, int threads) const {
+    const MlaConfig& c = config_;
+    const Index H = c.n_heads, dc = c.kv_rank, dn = c.qk_nope_dim, dr = c.rope_dim;
+    const Index qd = c.qk_head_dim(), width = dc + dr;
+    const Index units = std::min<Index>(H, std::max(threads, 1));
+    detail::parallel_for(units, threads, [&](Index u) {
+      const Index h0 = u * H / units, h1 = (u + 1) * H / units;
+      detail::score_rows(query + h0 * qd, qd, h1 - h0, dn, weights_.w_uk.data() + h0 * dn,
+                         weights_.w_uk.cols(), dn, dc, absorbed + h0 * width, width, false);
+      for (Index h = h0; h < h1; ++h) {
+        Eigen::Map<RowVector<T>> row(absorbed + h * width, width);
+        row.head(dc) *= scale_;
+        row.tail(dr) = scale_ * Eigen::Map<const RowVector<T>>(query + h * qd + dn, dr);
+      }
+    });
+  }
+  // heads_h = o-bar_h W_UV_h (H x d_v) from the latent outputs (H x d_c): a segmented
+  // accumulate whose "tokens" are W_UV's rows, each weighted by o-bar_h's element.
+  void up_project_heads(const T* latent_heads, T* heads, int threads) const {
+    const MlaConfig& c = config_;
+    const Index H = c.n_heads, dc = c.kv_rank, dv = c.v_dim;
+    const Index units = std::min<Index>(H, std::max(threads, 1));
+    detail::parallel_for(units, threads, [&](Index u) {
+      const Index h0 = u * H / units, h1 = (u + 1) * H / units;
+      Eigen::Map<RowVector<T>>(heads + h0 * dv, (h1 - h0) * dv).setZero();
+      detail::accumulate_rows(latent_heads + h0 * dc, dc, h1 - h0, weights_.w_uv.data() + h0 * dv,
+                              weights_.w_uv.cols(), dv, dv, dc, heads + h0 * dv, dv);
     });
   }
 
