@@ -26,9 +26,11 @@
 #include "kvattn/detail/decode_kernels.hpp"
 #include "kvattn/detail/lrkv_kernels.hpp"
 #include "kvattn/detail/split_attention.hpp"
+#include "kvattn/detail/transposed_score.hpp"
 #include "kvattn/reference/gqa.hpp"
 #include "kvattn/reference/lrkv.hpp"
 #include "kvattn/reference/mla.hpp"
+#include "paged_util.hpp"
 #include "test_util.hpp"
 
 using namespace kvattn;
@@ -746,5 +748,154 @@ TEST_CASE("Every mechanism's decode ops equal the reference step (fp32, bf16)", 
     check_layer<Eigen::bfloat16>(gqa_layer16(), length, fill_gqa);
     check_layer<float>(lrkv_layer, length, fill_lrkv);
     check_layer<Eigen::bfloat16>(lrkv_layer, length, fill_lrkv);
+  }
+}
+
+namespace {
+
+// score_transposed against a plain loop in double: whole packets of query rows (one, two
+// and three: one pass of two packets and one of one), widths with and without a last
+// unpaired element, tiles below, at and past the register blocks, a transposed-query
+// stride wider than the rows (its padding NaN: read, it would show), and a prefetch
+// range it must finish.
+template <class S>
+void check_transposed_score(Index G, Index dk, Index n) {
+  const Index qt_stride = G + 16;
+  const Index stride = dk + 3;
+  const Index written = (n + 15) / 16 * 16;  // the kernel writes whole packets of tokens
+  const Index ld = written + 16;
+  const auto q = random_values<float>(G * dk, 21 + static_cast<std::uint64_t>(G * dk));
+  const auto rows = random_values<S>(n * stride, 22 + static_cast<std::uint64_t>(n));
+  std::vector<float> query_t(static_cast<std::size_t>(dk * qt_stride),
+                             std::numeric_limits<float>::quiet_NaN());
+  detail::transpose_queries(q.data(), dk, G, dk, query_t.data(), qt_stride);
+  auto logits = random_values<float>(G * ld, 23);
+  const auto before = logits;
+  std::vector<char> ahead(4096);
+  detail::Prefetcher prefetch(ahead.data(), static_cast<Index>(ahead.size()));
+  detail::score_transposed(query_t.data(), qt_stride, G, dk, rows.data(), stride, n, logits.data(),
+                           ld, &prefetch);
+  CHECK(prefetch.next == prefetch.end);
+  for (Index i = 0; i < G; ++i) {
+    for (Index t = 0; t < n; ++t) {
+      double want = 0.0, scale = 0.0;
+      for (Index j = 0; j < dk; ++j) {
+        const double p =
+            static_cast<double>(q[static_cast<std::size_t>(i * dk + j)]) *
+            static_cast<double>(static_cast<float>(rows[static_cast<std::size_t>(t * stride + j)]));
+        want += p;
+        scale += std::abs(p);
+      }
+      const double got = logits[static_cast<std::size_t>(i * ld + t)];
+      if (!close(got, want, dk, scale)) {
+        CAPTURE(G, dk, n, i, t, got, want);
+        FAIL("score_transposed differs from the plain loop");
+      }
+    }
+    for (Index t = written; t < ld; ++t) {  // nothing past the last packet of tokens
+      REQUIRE(logits[static_cast<std::size_t>(i * ld + t)] ==
+              before[static_cast<std::size_t>(i * ld + t)]);
+    }
+  }
+}
+
+// A template, so that where the build has no transposed score the calls below are never
+// instantiated (the kernel is declared there, not defined).
+template <bool Have>
+void transposed_score_cases() {
+  if constexpr (Have) {
+    CHECK(detail::transposed_score<float, float>(16));
+    CHECK(detail::transposed_score<float, Eigen::bfloat16>(48));
+    CHECK_FALSE(detail::transposed_score<float, float>(24));  // not whole packets
+    CHECK_FALSE(detail::transposed_score<double, double>(16));
+    CHECK_FALSE(detail::transposed_score<float, Int8<>>(16));
+    for (const Index G : {16, 32, 48}) {
+      for (const Index dk : {1, 2, 3, 17, 64, 129}) {
+        for (const Index n : {1, 5, 8, 9, 16, 17, 40}) {
+          check_transposed_score<float>(G, dk, n);
+          check_transposed_score<Eigen::bfloat16>(G, dk, n);
+        }
+      }
+    }
+  } else {
+    // No layer takes it in this build.
+    CHECK_FALSE(detail::transposed_score<float, float>(16));
+    CHECK_FALSE(detail::transposed_score<float, Eigen::bfloat16>(32));
+  }
+}
+
+MlaConfig wide_mla(Index heads) {
+  MlaConfig c;
+  c.d_model = 48;
+  c.n_heads = heads;
+  c.kv_rank = 41;  // a cached row of 57 elements: the transposed score's unpaired last one
+  c.q_rank = 0;
+  c.qk_nope_dim = 16;
+  c.rope_dim = 16;
+  c.v_dim = 12;
+  c.rope = {RopeLayout::half_split, 10000.0, 3};
+  return c;
+}
+
+// decode_batch of three forks of one prompt (a shared prefix, or none) against each
+// fork decoded alone from a copy of its cache.
+template <class S>
+void check_mla_batch(const MlaLayer<float>& layer, Index shared) {
+  const Index d = layer.config().d_model;
+  auto pool = test::make_pool<S>(layer, 16, 128);
+  auto root = test::make_paged<S>(layer, pool);
+  layer.prefill(test::random_input<float>(300, d, 51), root);
+  std::vector<decltype(root)> caches;
+  for (const Index suffix : {0, 5, 40}) {
+    caches.push_back(root);
+    if (suffix > 0) layer.prefill(test::random_input<float>(suffix, d, 52 + suffix), caches.back());
+  }
+  auto singles = caches;
+  std::vector<decltype(root)*> pointers;
+  for (auto& c : caches) pointers.push_back(&c);
+  const RowMatrix<float> x = test::random_input<float>(3, d, 60);
+  RowMatrix<float> out(3, d);
+  for (const Threads threads : {Threads{1}, Threads{2}}) {
+    auto batch = caches;
+    std::vector<decltype(root)*> batch_pointers;
+    for (auto& c : batch) batch_pointers.push_back(&c);
+    layer.decode_batch(x, std::span<decltype(root)* const>(batch_pointers), out, threads,
+                       BatchOptions{shared});
+    for (Index s = 0; s < 3; ++s) {
+      auto single = singles[static_cast<std::size_t>(s)];
+      const RowMatrix<float> want = layer.decode(x.row(s), single, threads);
+      CAPTURE(shared, s, threads.count, sizeof(S));
+      CHECK(test::relative_error(out.row(s), want) <= 1e-5);
+    }
+  }
+  (void)pointers;
+}
+
+}  // namespace
+
+TEST_CASE("score_transposed equals a plain loop", "[kernels]") {
+  transposed_score_cases<detail::kHaveTransposedScore>();
+}
+
+// MLA's heads in whole packets of 16 (one, two) take the transposed score in AVX-512
+// builds (test_decode_kernels_avx512); elsewhere the same checks run score_rows.
+TEST_CASE("MLA with 16 and 32 heads: attend and decode_batch equal the reference", "[kernels]") {
+  auto fill_mla = [](auto& cache, Index n) {
+    const auto& c = cache.config();
+    cache.append(test::random_input<float>(n, c.kv_rank, 3),
+                 test::random_input<float>(n, c.rope_dim, 4));
+  };
+  for (const Index heads : {16, 32}) {
+    CAPTURE(heads);
+    const auto layer =
+        MlaLayer<float>::random(wide_mla(heads), 70 + static_cast<std::uint64_t>(heads));
+    for (const Index length : {1, 37, 700}) {
+      check_layer<float>(layer, length, fill_mla);
+      check_layer<Eigen::bfloat16>(layer, length, fill_mla);
+    }
+    for (const Index shared : {Index{0}, Index{300}}) {
+      check_mla_batch<float>(layer, shared);
+      check_mla_batch<Eigen::bfloat16>(layer, shared);
+    }
   }
 }

@@ -58,6 +58,7 @@
 #include "kvattn/detail/quantized_kernels.hpp"
 #include "kvattn/detail/row_source.hpp"
 #include "kvattn/detail/split_attention.hpp"
+#include "kvattn/detail/transposed_score.hpp"
 
 namespace kvattn {
 
@@ -180,6 +181,9 @@ class MlaLayer {
     detail::SplitScratch<T> split;  // partial softmax states per thread
     // absorbed (batch_absorbed) rounded to bf16, for DecodeArithmetic::bf16_dot.
     RowMatrix<Eigen::bfloat16> absorbed_bf16, batch_absorbed_bf16;
+    // absorbed transposed ((d_c+d_R) x H) for the transposed score, where it is taken
+    // (H a multiple of 16 on AVX-512; else empty); batch_absorbed's: (d_c+d_R) x B*H.
+    RowMatrix<T> absorbed_t, batch_absorbed_t;
     // decode_batch: B rows of the same (absorbed and latent_heads: B*H rows), and the
     // batch's units and states.
     RowMatrix<T> batch_q_latent, batch_query, batch_latent, batch_rope_key, batch_absorbed,
@@ -550,15 +554,20 @@ class MlaLayer {
     // heads at once (read through the first cache).
     const Eigen::bfloat16* rounded =
         absorbed_bf16<Cache>(ws.batch_absorbed, ws.batch_absorbed_bf16);
+    const T* transposed =
+        transposed_absorbed<Cache>(ws.batch_absorbed, batch * H, rounded, ws.batch_absorbed_t);
     detail::run_batch(ws.batch, [&](Index source) {
       if (source == batch) {
-        return DecodeOps<Cache>{*caches[0], ws.batch_absorbed.data(), batch * H, dc, width,
-                                rounded};
+        const T* absorbed = ws.batch_absorbed.data();
+        return DecodeOps<Cache>{*caches[0], absorbed, batch * H,  dc,
+                                width,      rounded,  transposed, batch * H};
       }
       const Index offset = source * H * width;
       const Eigen::bfloat16* own = rounded != nullptr ? rounded + offset : nullptr;
+      const T* own_t = transposed != nullptr ? transposed + source * H : nullptr;
       const Cache& cache = *caches[static_cast<std::size_t>(source)];
-      return DecodeOps<Cache>{cache, ws.batch_absorbed.data() + offset, H, dc, width, own};
+      const T* absorbed = ws.batch_absorbed.data() + offset;
+      return DecodeOps<Cache>{cache, absorbed, H, dc, width, own, own_t, batch * H};
     });
     detail::finish_batch(ws.batch, ws.batch_latent_heads.data());
     if (detail::paired_rows<T, S>(dc)) {
@@ -587,11 +596,19 @@ class MlaLayer {
     decode_batch(x, caches, out, ws, threads, options);
   }
 
-  /// Tokens per tile of the decode pass: about 64 KiB of cached rows, so a tile read
-  /// from memory stays in L1/L2 while every head is scored and accumulated against it.
+  /// Tokens per tile of the decode pass: about 64 KiB of cached rows (as T), so a tile
+  /// read from memory stays in L2 while every head is scored and accumulated against
+  /// it, and at least 64 tokens. Each tile costs the same whatever its length: every
+  /// head's accumulator row loaded and stored once (the accumulate takes the whole tile
+  /// as one token block) and a softmax over whole packets of logits. DeepSeek's rows
+  /// (576 elements) made 64 KiB tiles of 24 tokens: the accumulate then moved as many
+  /// accumulator bytes per token as it read cached bytes, and the softmax ran a quarter
+  /// of its lanes on padding. Steps over cold caches, tiles of 24 and 64 alternating in
+  /// one process (AVX-512, Zen 5): V2-Lite 7-12% faster with 64 (fp32 and bf16, one and
+  /// two threads), V2 fp32 7-11%, an int8 cache 25-28%; 96 and 128 no faster than 64.
   Index decode_tile() const {
     const Index row_bytes = config_.cache_elements_per_token() * static_cast<Index>(sizeof(T));
-    return std::clamp<Index>((Index{64} * 1024 / row_bytes) / 8 * 8, 8, 256);
+    return std::clamp<Index>((Index{64} * 1024 / row_bytes) / 8 * 8, 64, 256);
   }
 
  private:
@@ -675,6 +692,7 @@ class MlaLayer {
     detail::reshape(ws.rope_key, c.rope_dim);
     detail::reshape(ws.absorbed, c.n_heads, width);
     detail::reshape(ws.absorbed_bf16, uses_bf16_dot() ? c.n_heads : 0, width);
+    detail::reshape(ws.absorbed_t, transposes_queries() ? width : 0, c.n_heads);
     detail::reshape(ws.latent_heads, c.n_heads, c.kv_rank);
     detail::reshape(ws.heads, c.n_heads * c.v_dim);
     const auto plan =
@@ -696,6 +714,8 @@ class MlaLayer {
     detail::reshape(ws.batch_absorbed, batch * c.n_heads, c.cache_elements_per_token());
     detail::reshape(ws.batch_absorbed_bf16, uses_bf16_dot() ? batch * c.n_heads : 0,
                     c.cache_elements_per_token());
+    detail::reshape(ws.batch_absorbed_t, transposes_queries() ? c.cache_elements_per_token() : 0,
+                    batch * c.n_heads);
     detail::reshape(ws.batch_latent_heads, batch * c.n_heads, c.kv_rank);
     detail::reshape(ws.batch_heads, batch, heads_width());
     auto& b = ws.batch;
@@ -737,6 +757,27 @@ class MlaLayer {
     return nullptr;
   }
 
+  // Whether a step scores fp32 and bf16 caches by the transposed score
+  // (detail/transposed_score.hpp): this build has it and H is a multiple of 16, so every
+  // sequence's heads and a batch's shared prefix rows (B H) fill whole packets.
+  bool transposes_queries() const { return detail::transposed_score<T, T>(config_.n_heads); }
+  // The absorbed queries (rows x (d_c + d_R)) transposed into `transposed` (sized by
+  // prepare) when this step scores a Cache by the transposed score, else null. Not with
+  // the bf16 dot kernel, which reads the rounded queries.
+  template <class Cache>
+  const T* transposed_absorbed(const RowMatrix<T>& absorbed, Index rows,
+                               const Eigen::bfloat16* rounded, RowMatrix<T>& transposed) const {
+    if constexpr (detail::transposed_score_types<T, typename Cache::storage_type>) {
+      if (rounded == nullptr && transposes_queries()) {
+        const Index width = absorbed.cols();
+        detail::transpose_queries(absorbed.data(), width, rows, width, transposed.data(), rows);
+        return transposed.data();
+      }
+    }
+    (void)absorbed, (void)rows, (void)rounded, (void)transposed;
+    return nullptr;
+  }
+
   // All heads against a tile of cached rows [c_t | k_R,t] (one group: every head
   // shares the rows); the values are the rows' latent columns. The accumulate re-reads
   // the tile from L1/L2 (it was just scored), so the two phases together prefetch the
@@ -752,6 +793,10 @@ class MlaLayer {
     Index width;  // d_c + d_R
     // absorbed rounded to bf16 (DecodeArithmetic::bf16_dot on a bf16 cache), or null.
     const Eigen::bfloat16* absorbed_bf16 = nullptr;
+    // absorbed transposed, element (j, h) at absorbed_t[j * absorbed_t_stride + h], or
+    // null (transposed_absorbed).
+    const T* absorbed_t = nullptr;
+    Index absorbed_t_stride = 0;
 
     // The half of the next tile's bytes phase `half` (0: score, 1: accumulate) prefetches
     // (a quantized cache: its latent rows, then its rope rows).
@@ -787,6 +832,13 @@ class MlaLayer {
           if (absorbed_bf16 != nullptr) {
             detail::score_rows_bf16_dot(absorbed_bf16, width, heads, width, cache.latent_row(first),
                                         width, n, logits, ld, &next);
+            return;
+          }
+        }
+        if constexpr (detail::transposed_score_types<T, S>) {
+          if (absorbed_t != nullptr) {
+            detail::score_transposed(absorbed_t, absorbed_t_stride, heads, width,
+                                     cache.latent_row(first), width, n, logits, ld, &next);
             return;
           }
         }
@@ -836,7 +888,10 @@ class MlaLayer {
     // 2. One pass over the cached rows for all heads (split_attention.hpp).
     const Eigen::bfloat16* rounded = absorbed_bf16<Cache>(ws.absorbed, ws.absorbed_bf16);
     const Index width = c.cache_elements_per_token();
-    const DecodeOps<Cache> ops{cache, ws.absorbed.data(), c.n_heads, dc, width, rounded};
+    const T* transposed =
+        transposed_absorbed<Cache>(ws.absorbed, c.n_heads, rounded, ws.absorbed_t);
+    const DecodeOps<Cache> ops{cache,   ws.absorbed.data(), c.n_heads, dc, width,
+                               rounded, transposed,         c.n_heads};
     detail::split_attention(plan, ws.split, ops, ws.latent_heads.data(),
                             row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
     if (detail::paired_rows<T, S>(dc)) {  // bf16 latents were summed in pairs
