@@ -219,6 +219,11 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
     CHECK(detail::plan_split(1, c.n_heads, c.kv_rank, 1000, layer.decode_tile(), 0, 2).splits >= 2);
     check_every_storage_and_thread_count(layer, 1000);
     check_quantized_storage(layer, 1000);
+    // 16 heads: on AVX-512 (test_decode_noalloc_avx512) the scores take the transposed
+    // score, whose transposed queries live in the workspace too.
+    MlaConfig wide = small_mla();
+    wide.n_heads = 16;
+    check_every_storage_and_thread_count(MlaLayer<float>::random(wide, 6), 1000);
   }
   SECTION("LRKV") {
     LrkvConfig c{64, 4, 32, 8, LrkvRopeMode::shared, rope};
