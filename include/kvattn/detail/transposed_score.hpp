@@ -14,9 +14,12 @@
 // packet of 16 rows' query elements, two packets per broadcast when G >= 32, and no sum
 // is reduced: the sums come out token-major, a packet of rows per token, and a 16 x 16
 // transpose per 16 rows and 16 tokens writes them row-major as the softmax reads them.
-// The same scheme as lrkv_score's shared part (lrkv_kernels.hpp). Kernel-only, hot,
-// 64-token tiles (Zen 5): 16 rows x 576 (DeepSeek-V2-Lite) 108-118 -> 94-99 ns per
-// token in fp32 and 112 -> 85 in bf16; 128 rows x 576 (V2) 805 -> 659 and 990 -> 669.
+// The same scheme as lrkv_score's shared part (lrkv_kernels.hpp). Kernel-only, 64-token
+// tiles in L2 or L3, against score_rows as MLA called it (Zen 5): 16 rows x 576
+// (DeepSeek-V2-Lite) 1.15-1.26x faster in fp32 and 1.19-1.23x in bf16, 128 x 576 (V2)
+// 1.19-1.22x. Stepping a prefetch range once per pair of key elements, as a first
+// version did, cost the whole gain (the step's bookkeeping in the inner loop): it steps
+// once per kStepPairs pairs.
 #pragma once
 
 #include <algorithm>
@@ -39,9 +42,12 @@ inline constexpr bool kHaveTransposedScore = false;
 /// queries, fp32 or bf16 rows): callers test it with `if constexpr`, since elsewhere the
 /// kernel is declared but not defined.
 template <class T, class S>
-inline constexpr bool transposed_score_types = kHaveTransposedScore&& std::is_same_v<T, float> &&
-                                               (std::is_same_v<S, float> ||
-                                                std::is_same_v<S, Eigen::bfloat16>);
+constexpr bool transposed_score_for() {
+  if (!kHaveTransposedScore || !std::is_same_v<T, float>) return false;
+  return std::is_same_v<S, float> || std::is_same_v<S, Eigen::bfloat16>;
+}
+template <class T, class S>
+inline constexpr bool transposed_score_types = transposed_score_for<T, S>();
 
 /// Whether score_transposed takes G rows: transposed_score_types and G a positive
 /// multiple of 16 (whole packets of rows, no lanes of padding).
@@ -87,7 +93,8 @@ EIGEN_ALWAYS_INLINE void key_pair(const Eigen::bfloat16* row, Index j, Packet<fl
 }  // namespace transposed
 
 /// See the header comment; requires transposed_score<T, S>(G). `prefetch` (optional) is
-/// stepped once per pair of key elements of each register block and finished at the end.
+/// stepped once per kStepPairs pairs of key elements of each register block and finished
+/// at the end.
 template <class T, class S>
 void score_transposed(const T* query_t, Index qt_stride, Index G, Index dk, const S* rows,
                       Index stride, Index n, T* logits, Index ld, Prefetcher* prefetch = nullptr) {
@@ -100,8 +107,7 @@ void score_transposed(const T* query_t, Index qt_stride, Index G, Index dk, cons
   constexpr int TB = 8;
   const Index pairs = dk / 2;
   // Prefetch steps: one per kStepPairs pairs of key elements (a step per pair cost the
-  // kernel 18% in the kernel-only benchmark with a prefetch range, against 9% for
-  // score_rows).
+  // kernel 18% in the kernel-only benchmark with a prefetch range, score_rows 9%).
   constexpr Index kStepPairs = 8;
   if (prefetch != nullptr) {
     const Index blocks = (n + TB - 1) / TB;
