@@ -1,4 +1,5 @@
-// [kernels]: the decode kernels (detail/decode_kernels.hpp, detail/packet_ops.hpp) and
+// [kernels]: the decode kernels (detail/decode_kernels.hpp, detail/packet_ops.hpp,
+// detail/transposed_score.hpp with MLA's 16 and 32 heads in AVX-512 builds) and
 // the split online-softmax driver (detail/split_attention.hpp) against plain loops in
 // double, at awkward sizes (1, 3, 54, 59, 111, 127, 129: below a packet, tails of every
 // length, several register blocks), with shared and per-row (segmented) columns, fp32
