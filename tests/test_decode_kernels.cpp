@@ -852,8 +852,6 @@ void check_mla_batch(const MlaLayer<float>& layer, Index shared) {
     if (suffix > 0) layer.prefill(test::random_input<float>(suffix, d, 52 + suffix), caches.back());
   }
   auto singles = caches;
-  std::vector<decltype(root)*> pointers;
-  for (auto& c : caches) pointers.push_back(&c);
   const RowMatrix<float> x = test::random_input<float>(3, d, 60);
   RowMatrix<float> out(3, d);
   for (const Threads threads : {Threads{1}, Threads{2}}) {
@@ -869,7 +867,6 @@ void check_mla_batch(const MlaLayer<float>& layer, Index shared) {
       CHECK(test::relative_error(out.row(s), want) <= 1e-5);
     }
   }
-  (void)pointers;
 }
 
 }  // namespace
