@@ -389,6 +389,29 @@ TEST_CASE("accumulate_rows of many rows over wide value rows", "[kernels]") {
   }
 }
 
+// Four rows over widths of whole packets: on AVX-512 the by-token kernels
+// (rows4_by_token; 3 of 4 query rows held in registers at 7 and 8 packets, all 4 below;
+// 6 accumulator packets per row held, the rest in the accumulator rows), and beside them
+// 3 and 5 rows, which keep the register blocks; elsewhere the blocks for all.
+TEST_CASE("score_rows and accumulate_rows of 4 rows over whole packets", "[kernels]") {
+  constexpr Index P = detail::packet_size<float>;
+  for (Index D = 1; D <= 9; ++D) {
+    const Index width = D * P;
+#if defined(EIGEN_VECTORIZE_AVX512)
+    CHECK(detail::kernels::rows4_by_token<float, float>(4, width) == (D <= 8));
+    CHECK_FALSE(detail::kernels::rows4_by_token<float, Eigen::bfloat16>(4, width));
+#endif
+    for (const Index G : {3, 4, 5}) {
+      for (const Index n : {1, 2, 7, 40, 100}) {
+        check_score<float>(G, width, n, false, false);
+        check_score<float>(G, width, n, false, true);
+        check_accumulate<float>(G, width, n, false, 0);
+        check_accumulate<float>(G, width, n, false, 16);
+      }
+    }
+  }
+}
+
 TEST_CASE("Prefetcher walks its first range, then its second, within the plan", "[kernels]") {
   // Prefetches are hints (no observable effect), so the walk is checked on the state.
   std::vector<char> first(1000), second(300);
@@ -738,7 +761,12 @@ TEST_CASE("Every mechanism's decode ops equal the reference step (fp32, bf16)", 
   // d_h a multiple of 16, one query row per group: bf16 rows scored in pairs too.
   const auto mha16_layer = GqaLayer<float>::random(mha_config(96, 2, 48, rope), 6);
   const auto lrkv_layer = LrkvLayer<float>::random(lrkv, 4, 0.5);
+  // Groups of 4 rows of whole packets: fp32 scored and summed by token on AVX-512.
+  const auto gqa4_layer = GqaLayer<float>::random(gqa_config(64, 8, 32, 2, rope), 7);
+  const auto gqa4_wide_layer = GqaLayer<float>::random(gqa_config(128, 8, 128, 2, rope), 8);
   for (const Index length : {1, 37, 700}) {
+    check_layer<float>(gqa4_layer, length, fill_gqa);
+    check_layer<float>(gqa4_wide_layer, length, fill_gqa);
     check_layer<float>(gqa_layer, length, fill_gqa);
     check_layer<Eigen::bfloat16>(gqa_layer, length, fill_gqa);
     check_layer<float>(mha_layer, length, fill_gqa);

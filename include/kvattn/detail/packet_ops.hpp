@@ -327,9 +327,9 @@ inline Packet<T> sum_lanes(const Packet<T>* acc) {
 #endif
 
 /// The sums of M <= 4 accumulators into out[0, M): a by-token kernel's per-token
-/// reduction (detail::kernels::score_rows_by_token). Four 8-float packets (AVX2, where
-/// that kernel takes 4 rows) share one tree of 3 hadds and an add instead of four
-/// horizontal sums.
+/// reduction (detail::kernels::score_rows_by_token, score_rows4_by_token). Four packets
+/// share one tree instead of four horizontal sums: 3 hadds and an add for 8 floats
+/// (AVX2), 5 shuffles, 2 permutes, 5 adds and a lane gather for 16 (AVX-512).
 template <class T, int M>
 inline void sum_rows(const Packet<T>* acc, T* out) {
   static_assert(M >= 1 && M <= 4);
@@ -337,6 +337,24 @@ inline void sum_rows(const Packet<T>* acc, T* out) {
   if constexpr (std::is_same_v<T, float> && M == 4) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    return;
+  }
+#endif
+#if defined(EIGEN_VECTORIZE_AVX512)
+  if constexpr (std::is_same_v<T, float> && M == 4) {
+    // 256-bit halves of rows 0 and 1 (and 2 and 3) added into one packet each, then
+    // 128-bit quarters: block m holds 4 partial sums of row m; two in-block swaps add
+    // those, and lane 0 of each block is row m's sum.
+    auto halves = [](__m512 a, __m512 b) {
+      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    };
+    const __m512 h01 = halves(acc[0], acc[1]), h23 = halves(acc[2], acc[3]);
+    __m512 blocks =
+        _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
+    blocks = _mm512_add_ps(blocks, _mm512_permute_ps(blocks, 0x4E));
+    blocks = _mm512_add_ps(blocks, _mm512_permute_ps(blocks, 0xB1));
+    const __m512i first_lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(first_lanes, blocks)));
     return;
   }
 #endif
