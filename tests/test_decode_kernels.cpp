@@ -285,9 +285,14 @@ TEST_CASE("bf16 rows read in pairs: paired queries and accumulators", "[kernels]
     WARN("no paired bf16 path in this build (" << simd_level() << ")");
     return;
   }
-  for (const Index width : {16, 32, 128, 576}) {
+  for (const Index width : {16, 32, 64, 96, 128, 160, 576}) {
     if (!detail::paired_score_rows<float, Eigen::bfloat16>(width)) continue;
-    // G = 4, 8: whole 4-row blocks (AVX-512's 4 x 4 paired block); 3, 5, 6: a 2- or
+#if defined(EIGEN_VECTORIZE_AVX512)
+    CHECK(detail::kernels::paired_rows4_by_token<float, Eigen::bfloat16>(4, width) ==
+          (width <= 128));
+#endif
+    // G = 4, 8: whole 4-row blocks (AVX-512's 4 x 4 paired block; 4 rows up to 128 wide
+    // are scored by token there, kernels::paired_rows4_by_token); 3, 5, 6: a 2- or
     // 1-row block after them; 16: many blocks. With 16 registers G = 1 ... 4 are scored
     // by token (kernels::score_by_token).
     for (const Index G : {1, 2, 3, 4, 5, 6, 8, 16}) {
@@ -761,12 +766,15 @@ TEST_CASE("Every mechanism's decode ops equal the reference step (fp32, bf16)", 
   // d_h a multiple of 16, one query row per group: bf16 rows scored in pairs too.
   const auto mha16_layer = GqaLayer<float>::random(mha_config(96, 2, 48, rope), 6);
   const auto lrkv_layer = LrkvLayer<float>::random(lrkv, 4, 0.5);
-  // Groups of 4 rows of whole packets: fp32 scored and summed by token on AVX-512.
+  // Groups of 4 rows of whole packets: on AVX-512 fp32 scored and summed by token, bf16
+  // scored by token in pairs.
   const auto gqa4_layer = GqaLayer<float>::random(gqa_config(64, 8, 32, 2, rope), 7);
   const auto gqa4_wide_layer = GqaLayer<float>::random(gqa_config(128, 8, 128, 2, rope), 8);
   for (const Index length : {1, 37, 700}) {
     check_layer<float>(gqa4_layer, length, fill_gqa);
     check_layer<float>(gqa4_wide_layer, length, fill_gqa);
+    check_layer<Eigen::bfloat16>(gqa4_layer, length, fill_gqa);
+    check_layer<Eigen::bfloat16>(gqa4_wide_layer, length, fill_gqa);
     check_layer<float>(gqa_layer, length, fill_gqa);
     check_layer<Eigen::bfloat16>(gqa_layer, length, fill_gqa);
     check_layer<float>(mha_layer, length, fill_gqa);

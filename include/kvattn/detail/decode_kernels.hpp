@@ -612,8 +612,10 @@ void score_rows_outer(const T* q, Index q_stride, Index G, Index dk, const S* k,
 inline constexpr int kTokenRowsHeld = 24;  // packets of queries or accumulators held
 
 // Whether G rows of width `width` (dk or dv) against shared S rows take the two kernels
-// below: 4 fp32 rows of 1 to 8 whole packets (the measured case, d_h 128; bf16 rows and
-// other row counts were not measured and keep the blocks).
+// below: 4 fp32 rows of 1 to 8 whole packets (the measured case, d_h 128; other row
+// counts were not measured and keep the blocks). bf16 keys read in pairs take the score
+// (paired_rows4_by_token); bf16 values by token measured 0.88-1.12x the 2-row blocks of
+// the whole row (slower with two threads) and keep those.
 template <class T, class S>
 constexpr bool rows4_by_token(Index G, Index width) {
   constexpr Index P = packet_size<T>;
@@ -621,10 +623,23 @@ constexpr bool rows4_by_token(Index G, Index width) {
          width % P == 0 && width <= 8 * P;
 }
 
-// logits of rows [0, 4) of q against tokens [0, n) of k, D packets wide.
-template <class T, class S, int D>
+// Whether 4 rows of bf16 keys read in pairs, the query in paired order (GQA's bf16
+// groups of 4 on AVX-512, DecodeOps::paired_score), take score_rows4_by_token: widths of
+// whole pair blocks up to 8 packets. Measured like the fp32 kernels (bf16 GQA, L = 16384
+// and 65536, one thread): the score pass 0.72-0.89 of its half of a read pass against
+// 0.66-0.79 for the paired 4-token blocks, faster in 9 of 10 runs.
+template <class T, class S>
+constexpr bool paired_rows4_by_token(Index G, Index width) {
+  constexpr Index P = packet_size<T>;
+  return paired_score_rows<T, S>(width) && G == 4 && width <= 8 * P;
+}
+
+// logits of rows [0, 4) of q against tokens [0, n) of k, D packets wide (Paired: bf16
+// rows read in pairs, D even).
+template <class T, class S, int D, bool Paired = false>
 void score_rows4_by_token(const T* q, Index q_stride, const S* k, Index k_stride, Index n,
                           T* logits, Index ld, bool add, Prefetcher* prefetch) {
+  static_assert(!Paired || D % 2 == 0, "whole pair blocks");
   constexpr Index P = packet_size<T>;
   constexpr int Held = std::min(4, kTokenRowsHeld / D);  // rows past these read q from L1
   Packet<T> held[Held][D];
@@ -642,14 +657,35 @@ void score_rows4_by_token(const T* q, Index q_stride, const S* k, Index k_stride
     Packet<T> acc[4];
     KVATTN_UNROLL
     for (int m = 0; m < 4; ++m) acc[m] = ei::pset1<Packet<T>>(T(0));
-    KVATTN_UNROLL
-    for (int d = 0; d < D; ++d) {
-      const Packet<T> kp = load_widened<T>(row + d * P);
+    if constexpr (Paired) {
+      // bf16 rows in pairs (packet_ops.hpp), the query in paired order: packet d of a
+      // pair block multiplies the even-indexed elements, packet d + 1 the odd ones.
       KVATTN_UNROLL
-      for (int m = 0; m < Held; ++m) acc[m] = ei::pmadd(held[m][d], kp, acc[m]);
+      for (int d = 0; d < D; d += 2) {
+        const RawBf16 raw = load_bf16_raw(row + d * P);
+        const Packet<T> even = bf16_even(raw), odd = bf16_odd(raw);
+        KVATTN_UNROLL
+        for (int m = 0; m < Held; ++m) {
+          acc[m] = ei::pmadd(held[m][d], even, acc[m]);
+          acc[m] = ei::pmadd(held[m][d + 1], odd, acc[m]);
+        }
+        KVATTN_UNROLL
+        for (int m = Held; m < 4; ++m) {
+          const T* qm = q + m * q_stride + d * P;
+          acc[m] = ei::pmadd(ei::ploadu<Packet<T>>(qm), even, acc[m]);
+          acc[m] = ei::pmadd(ei::ploadu<Packet<T>>(qm + P), odd, acc[m]);
+        }
+      }
+    } else {
       KVATTN_UNROLL
-      for (int m = Held; m < 4; ++m) {
-        acc[m] = ei::pmadd(ei::ploadu<Packet<T>>(q + m * q_stride + d * P), kp, acc[m]);
+      for (int d = 0; d < D; ++d) {
+        const Packet<T> kp = load_widened<T>(row + d * P);
+        KVATTN_UNROLL
+        for (int m = 0; m < Held; ++m) acc[m] = ei::pmadd(held[m][d], kp, acc[m]);
+        KVATTN_UNROLL
+        for (int m = Held; m < 4; ++m) {
+          acc[m] = ei::pmadd(ei::ploadu<Packet<T>>(q + m * q_stride + d * P), kp, acc[m]);
+        }
       }
     }
     T sums[4];
@@ -705,16 +741,20 @@ void accumulate_rows4_by_token(const T* w, Index ld, const S* v, Index v_stride,
   }
 }
 
-// The two kernels with a run-time packet count D in [1, Dmax] (rows4_by_token).
-template <class T, class S, int Dmax = 8>
+// The two kernels with a run-time packet count D in [1, Dmax] (rows4_by_token; Paired:
+// the even D of paired_rows4_by_token).
+template <class T, class S, bool Paired = false, int Dmax = 8>
 void score_rows4_by_token_n(Index D, const T* q, Index q_stride, const S* k, Index k_stride,
                             Index n, T* logits, Index ld, bool add, Prefetcher* prefetch) {
   if constexpr (Dmax >= 1) {
     if (D == Dmax) {
-      score_rows4_by_token<T, S, Dmax>(q, q_stride, k, k_stride, n, logits, ld, add, prefetch);
+      if constexpr (!Paired || Dmax % 2 == 0) {
+        score_rows4_by_token<T, S, Dmax, Paired>(q, q_stride, k, k_stride, n, logits, ld, add,
+                                                 prefetch);
+      }
     } else {
-      score_rows4_by_token_n<T, S, Dmax - 1>(D, q, q_stride, k, k_stride, n, logits, ld, add,
-                                             prefetch);
+      score_rows4_by_token_n<T, S, Paired, Dmax - 1>(D, q, q_stride, k, k_stride, n, logits, ld,
+                                                     add, prefetch);
     }
   }
 }
@@ -993,6 +1033,14 @@ void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index
     if (paired && paired_score_rows<T, S>(dk) && seg == 0) {
       const bool narrow = second != nullptr && second->dk < P;
       if (n > 0 && G > 0) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+        if (second == nullptr && kernels::paired_rows4_by_token<T, S>(G, dk)) {
+          kernels::score_rows4_by_token_n<T, S, true>(dk / P, q, q_stride, k, k_stride, n, logits,
+                                                      ld, add, prefetch);
+          if (prefetch != nullptr) prefetch->finish();
+          return;
+        }
+#endif
         if (second == nullptr && kernels::score_by_token<T, S>(G)) {
           kernels::score_rows_by_token<T, S, kernels::kPaired>(G, q, q_stride, dk, k, k_stride, n,
                                                                logits, ld, add, prefetch);
