@@ -247,6 +247,18 @@ inline Packet<T> zero_first(const Packet<T>& x, Index skip) {
   return ei::pandnot(x, ei::pcmp_lt(lanes, ei::pset1<Packet<T>>(static_cast<T>(skip))));
 }
 
+#if defined(EIGEN_VECTORIZE_AVX512)
+// The first two levels of the lane-sum trees (sum_lanes, sum_rows): the 256-bit halves,
+// then the 128-bit quarters, of a and b added pairwise, a's sums in the low part of the
+// result, b's in the high part.
+inline __m512 add_halves(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline __m512 add_quarters(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+#endif
+
 /// One packet holding the sums of P accumulators: lane k = sum of the lanes of acc[k].
 /// A dot-product kernel reduces a whole block of P dot products with this once, instead
 /// of P horizontal sums (a transpose-and-add tree: log2(P) shuffle stages).
@@ -283,12 +295,6 @@ inline Packet<T> sum_lanes(const Packet<T>* acc) {
     // 128-bit quarters, then pairs of lanes, then lanes), two sources per result. Fed in
     // the order 0, 4, 8, 12, 1, 5, ... (a 4 x 4 transpose of the indices), the tree
     // leaves the sum of acc[k] in lane k.
-    auto halves = [](__m512 a, __m512 b) {
-      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    };
-    auto quarters = [](__m512 a, __m512 b) {
-      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-    };
     auto lanes = [](__m512 a, __m512 b) {
       return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
     };
@@ -298,11 +304,11 @@ inline Packet<T> sum_lanes(const Packet<T>* acc) {
       // Pair i holds sources order[2i], order[2i + 1], order[k] = (k % 4) * 4 + k / 4.
       const int first = (2 * i % 4) * 4 + 2 * i / 4,
                 second = ((2 * i + 1) % 4) * 4 + (2 * i + 1) / 4;
-      level1[i] = halves(acc[first], acc[second]);
+      level1[i] = add_halves(acc[first], acc[second]);
     }
     __m512 level2[4];
     KVATTN_UNROLL
-    for (int i = 0; i < 4; ++i) level2[i] = quarters(level1[2 * i], level1[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) level2[i] = add_quarters(level1[2 * i], level1[2 * i + 1]);
     return lanes(lanes(level2[0], level2[1]), lanes(level2[2], level2[3]));
   }
 #endif
@@ -342,15 +348,9 @@ inline void sum_rows(const Packet<T>* acc, T* out) {
 #endif
 #if defined(EIGEN_VECTORIZE_AVX512)
   if constexpr (std::is_same_v<T, float> && M == 4) {
-    // 256-bit halves of rows 0 and 1 (and 2 and 3) added into one packet each, then
-    // 128-bit quarters: block m holds 4 partial sums of row m; two in-block swaps add
-    // those, and lane 0 of each block is row m's sum.
-    auto halves = [](__m512 a, __m512 b) {
-      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    };
-    const __m512 h01 = halves(acc[0], acc[1]), h23 = halves(acc[2], acc[3]);
-    __m512 blocks =
-        _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
+    // sum_lanes' first two levels leave block m (128 bits) with 4 partial sums of row
+    // m; two in-block swaps add those, and lane 0 of each block is row m's sum.
+    __m512 blocks = add_quarters(add_halves(acc[0], acc[1]), add_halves(acc[2], acc[3]));
     blocks = _mm512_add_ps(blocks, _mm512_permute_ps(blocks, 0x4E));
     blocks = _mm512_add_ps(blocks, _mm512_permute_ps(blocks, 0xB1));
     const __m512i first_lanes = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
