@@ -571,11 +571,12 @@ TEST_CASE("split_attention equals softmax(q K^T) V, split or not", "[kernels]") 
 
 // The units go to the threads in equal static blocks, so plan_split keeps their count a
 // multiple of the threads where the length allows. Tile 256: one split per 1024 visible
-// tokens at most (four granules), 4 ranges per thread at most.
+// tokens at most (four granules), or per 512 (two) where that would leave a thread
+// without a unit, 4 ranges per thread at most.
 TEST_CASE("plan_split makes the units a multiple of the threads where it can", "[kernels]") {
-  // splits, by hand: 1 when groups >= threads; else min(4 * ceil(threads / groups),
-  // length / 1024), rounded down to a multiple of threads / gcd(groups, threads) when it
-  // is at least that.
+  // splits, by hand: 1 when groups >= threads; else, with n = length / 1024, or length /
+  // 512 when groups * n < threads: min(4 * ceil(threads / groups), max(n, 1)), rounded
+  // down to a multiple of threads / gcd(groups, threads) when it is at least that.
   struct Case {
     Index groups;
     int threads;
@@ -583,8 +584,9 @@ TEST_CASE("plan_split makes the units a multiple of the threads where it can", "
     Index splits;
   };
   for (const Case c :
-       {Case{1, 2, 3072, 2}, Case{1, 2, 5120, 4}, Case{1, 2, 65536, 8}, Case{1, 2, 1024, 1},
-        Case{1, 3, 5120, 3}, Case{1, 3, 2048, 2}, Case{2, 4, 3072, 2}, Case{3, 4, 6144, 4},
+       {Case{1, 2, 3072, 2}, Case{1, 2, 5120, 4}, Case{1, 2, 65536, 8}, Case{1, 2, 1024, 2},
+        Case{1, 2, 1023, 1}, Case{1, 2, 511, 1}, Case{1, 2, 1536, 2}, Case{1, 4, 2048, 4},
+        Case{1, 3, 5120, 3}, Case{1, 3, 2048, 3}, Case{2, 4, 3072, 2}, Case{3, 4, 6144, 4},
         Case{3, 4, 20480, 8}, Case{2, 2, 65536, 1}}) {
     CAPTURE(c.groups, c.threads, c.length);
     CHECK(detail::plan_split(c.groups, 1, 8, c.length, 256, 0, c.threads).splits == c.splits);

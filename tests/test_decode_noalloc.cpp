@@ -234,13 +234,14 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
   }
 }
 
-// A sequence that grows across the point where 2 threads start splitting it (a split
-// range needs >= 4 split granules, detail::split_granule): the workspace is sized for the split at
-// warm-up, so the growing sequence does not allocate either.
+// A sequence that grows across the point where 2 threads start splitting it (one group: a
+// split range needs >= 2 split granules, detail::split_granule, so 2 ranges from 4): the
+// workspace is sized for the split at warm-up, so the growing sequence does not allocate
+// either.
 TEST_CASE("Decode allocates nothing as a sequence grows across the thread split", "[alloc]") {
   const auto layer = GqaLayer<float>::random(mqa_config(64, 8, 64), 6);
   const auto& c = layer.config();
-  const Index start = 8 * detail::split_granule(layer.decode_tile()) - 10;  // warm-up: start + 1
+  const Index start = 4 * detail::split_granule(layer.decode_tile()) - 10;  // warm-up: start + 1
   CHECK(detail::plan_split(1, c.n_heads, c.head_dim, start + 1, layer.decode_tile(), 0, 2).splits ==
         1);
   CHECK(detail::plan_split(1, c.n_heads, c.head_dim, start + kSteps + 1, layer.decode_tile(), 0, 2)

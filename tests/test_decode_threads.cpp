@@ -178,8 +178,10 @@ void check_against_reference(const Layer& layer, Index length, std::uint64_t see
 }
 
 // Lengths below the split threshold (1, 5) and above it: plan_split cuts the sequence
-// only into ranges of >= 4 tiles, so with 2 threads and one group a length splits when
-// it is >= 8 tiles (tiles: GQA d_h 64 -> 128 tokens, LRKV 16, MLA below -> 112).
+// into ranges of >= 4 split granules, or of 2 where 4 would leave a thread idle, so with
+// 2 threads and one group a length splits from 4 granules (detail::split_granule: GQA
+// d_h 64 -> 256 tokens of its 2048-token tiles, LRKV 16, MLA below 112). 300 splits for
+// LRKV only; 2000 for every one-group layer, MQA's into ranges of 2 granules.
 const Index kLengths[] = {1, 5, 300, 2000};
 
 MlaConfig small_mla() {
@@ -219,6 +221,11 @@ TEST_CASE("GQA family attend/decode at 1, 2, 3 and all threads equal the referen
   std::uint64_t seed = 100;
   for (const GqaConfig& config : configs) {
     const auto layer = GqaLayer<float>::random(config, seed);
+    if (config.n_kv_heads == 1) {  // MQA: the longest length does exercise the split
+      CHECK(detail::plan_split(1, config.n_heads, config.head_dim, kLengths[3], layer.decode_tile(),
+                               0, 2)
+                .splits >= 2);
+    }
     for (const Index length : kLengths) {
       CAPTURE(config.n_heads, config.n_kv_heads, config.qkv_bias);
       check_against_reference(layer, length, seed + static_cast<std::uint64_t>(length));

@@ -61,9 +61,10 @@ struct SplitPlan {
   }
 };
 
-/// Tokens a split range (or a batch unit) is a multiple of, at least four of them: the
-/// tile, but at most 256 tokens, so that a layer whose tiles are long only for the sake
-/// of streaming (GQA's 1 MiB tiles) still splits a few thousand tokens across threads.
+/// The unit of a split range's least length (plan_split) and of a batch unit's
+/// (batch_attention.hpp): the tile, but at most 256 tokens, so that a layer whose tiles
+/// are long only for the sake of streaming (GQA's 1 MiB tiles) still splits a few
+/// thousand tokens across threads.
 constexpr Index split_granule(Index tile) { return std::min<Index>(tile, 256); }
 
 /// Sequence ranges per thread when the sequence is split (flash-decoding's
@@ -72,8 +73,12 @@ constexpr Index split_granule(Index tile) { return std::min<Index>(tile, 256); }
 /// reasons not found (docs/benchmarks.md, "Threads and streaming").
 inline constexpr Index kSplitsPerThread = 4;
 
-/// Splits the visible tokens only when groups alone cannot keep every thread busy, and
-/// never into ranges shorter than four granules (the merge is not free).
+/// Splits the visible tokens only when groups alone cannot keep every thread busy, into
+/// ranges of at least four granules (the merge is not free), or two where four would
+/// leave a thread without a unit: with ranges of four, MQA's step (one group, 256-token
+/// granules) ran on one of two threads below 2048 tokens (two threads 0.9-1.2x as fast as
+/// one at 1024 and 1536 tokens); with two, 1.4-2.2x (cold caches, a read pass between
+/// steps, Zen 5).
 inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index length, Index tile,
                             Index buffer_width, int threads, const AttentionSpan& span = {}) {
   SplitPlan plan;
@@ -88,8 +93,10 @@ inline SplitPlan plan_split(Index groups, Index rows, Index acc_width, Index len
   plan.softcap = span.softcap;
   if (plan.threads > 1 && groups < plan.threads) {
     plan.max_splits = kSplitsPerThread * ((plan.threads + groups - 1) / groups);
-    const Index by_length = std::max<Index>(1, plan.visible.count() / (4 * split_granule(tile)));
-    plan.splits = std::min(plan.max_splits, by_length);
+    const Index count = plan.visible.count();
+    Index by_length = count / (4 * split_granule(tile));
+    if (groups * by_length < plan.threads) by_length = count / (2 * split_granule(tile));
+    plan.splits = std::min(plan.max_splits, std::max<Index>(1, by_length));
     // The units go to the threads in equal blocks (split_attention): a unit count that is
     // not a multiple of the threads would give some threads a whole range more (3 ranges
     // on 2 threads: 2 against 1), so round the splits down to make it one where possible.
