@@ -263,8 +263,9 @@ TEST_CASE("LRKV attend/decode at 1, 2, 3 and all threads equal the reference", "
 namespace {
 
 // The windows, sinks, sink logits and soft-caps of the split test below: a window long
-// enough to split (its tokens >= 8 tiles at 2 threads), so a split can end inside the sink
-// tokens or start inside the window, and the sink logit must enter once after the merge.
+// enough to split (its tokens >= 4 split granules at 2 threads), so a split can end
+// inside the sink tokens or start inside the window, and the sink logit must enter once
+// after the merge.
 template <class Config>
 std::vector<Config> with_spans(Config c, Index window) {
   std::vector<Config> out;
