@@ -234,8 +234,8 @@ TEST_CASE("Decode and attend allocate nothing after a warm-up, every mechanism",
   }
 }
 
-// A sequence that grows across the point where 2 threads start splitting it (one group: a
-// split range needs >= 2 split granules, detail::split_granule, so 2 ranges from 4): the
+// A sequence that grows across the point where 2 threads start splitting it (one group:
+// 2 ranges of >= 2 split granules each, detail::split_granule, so from 4 granules): the
 // workspace is sized for the split at warm-up, so the growing sequence does not allocate
 // either.
 TEST_CASE("Decode allocates nothing as a sequence grows across the thread split", "[alloc]") {
