@@ -726,8 +726,15 @@ class GqaLayer {
       };
       const Index next = begin + count;
       const Index count2 = std::min(last - next, detail::contiguous_rows(cache, next));
-      if (count2 <= 0) return {rows(begin), count * row_bytes};
-      return {rows(begin), count * row_bytes, rows(next), count2 * row_bytes};
+      detail::Prefetcher ranges = count2 <= 0 ? detail::Prefetcher(rows(begin), count * row_bytes)
+                                              : detail::Prefetcher(rows(begin), count * row_bytes,
+                                                                   rows(next), count2 * row_bytes);
+      // The later tiles' rows on the same page: their 4 KiB pages may be touched early.
+      const Index tail = count2 <= 0 ? next : next + count2;
+      const Index more = std::min(detail::contiguous_rows(cache, tail),
+                                  detail::Prefetcher::kPageLead / row_bytes + 1);
+      ranges.touch_past = std::max<Index>(0, more) * row_bytes;
+      return ranges;
     }
 
     void score(Index group, Index first, Index n, T* logits, Index ld, T* spare) const {
