@@ -397,7 +397,10 @@ HOW_TO_READ = """\
   the bandwidth of a plain read-only pass over the same bytes and `flop_ref` the
   FLOP/s of a dense GEMM, both measured in the same run on the same machine. 1.0
   means the step runs as fast as its bytes can be read or its FLOPs done at those
-  rates; above 1.0 is possible when the data fits a cache the reference pass did not.
+  rates; above 1.0 is possible when the data fits a cache the reference pass did not,
+  or when the step reads memory faster than that plain pass does: the decode steps'
+  software prefetches touch each 4 KiB page ahead, which the plain pass does not (see
+  the Notes for a read pass with the same touches).
 - **bound** is `memory` when bytes / bw_ref ≥ flops / flop_ref, else `compute`.
 - **predicted** (`predicted_seconds`, `decode*/` rows) is the analysis module's
   prediction of the step, `analysis::roofline_seconds(attend_cost(config, L, storage),

@@ -11,6 +11,7 @@
 // exits as skipped on a CPU without its level (tests/cpu_guard.cpp).
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -638,6 +639,45 @@ TEST_CASE("Prefetcher stays inside its range and spreads it over the planned ste
   none.step();
   none.finish();
   CHECK(none.next == none.end);
+}
+
+TEST_CASE("Prefetcher touches each page a page lead ahead of its lines, within its range",
+          "[kernels]") {
+  // `page` is the next 4 KiB boundary still to touch, as an offset from an aligned buffer.
+  static_assert(detail::Prefetcher::kPage == 4096 && detail::Prefetcher::kPageLead == 8192);
+  alignas(4096) static std::array<char, 65536> buffer{};
+  const auto offset = [](const detail::Prefetcher& p) {
+    return static_cast<Index>(p.page - reinterpret_cast<std::uintptr_t>(buffer.data()));
+  };
+  detail::Prefetcher p(buffer.data() + 100, 40000);  // to 40100
+  p.touch = true;
+  p.plan(625);  // a line a step
+  p.step();     // the line at 100; next 164: touches 4096 and 8192 (< 164 + 8192)
+  CHECK(offset(p) == 12288);
+  for (int i = 1; i < 100; ++i) p.step();  // next 6500: up to 14692, so 12288 too
+  CHECK(offset(p) == 16384);
+  for (int i = 100; i < 624; ++i) p.step();  // next 40036: the range's end (40100) binds
+  CHECK(offset(p) == 40960);                 // 36864 the last touched
+  // Allowed 5000 bytes past the end (touch_past): 40960 and 45056 too (< 40100 + 5000).
+  detail::Prefetcher past(buffer.data() + 100, 40000);
+  past.touch = true;
+  past.touch_past = 5000;
+  past.plan(625);
+  for (int i = 0; i < 624; ++i) past.step();
+  CHECK(offset(past) == 49152);
+  // A second range starts its touches over from its own lines: 4096 bytes, from 50000.
+  detail::Prefetcher two(buffer.data() + 100, 256, buffer.data() + 50000, 4096);
+  two.touch = true;
+  two.plan(68);                            // 4 + 64 lines, one a step
+  for (int i = 0; i < 5; ++i) two.step();  // the first range, then one line at 50000
+  CHECK(two.next == buffer.data() + 50064);
+  CHECK(offset(two) == 57344);  // 53248 touched (< 54096, its end), 57344 past it
+  // Without `touch` (the default) no page is touched.
+  detail::Prefetcher lines_only(buffer.data() + 100, 40000);
+  lines_only.plan(625);
+  for (int i = 0; i < 100; ++i) lines_only.step();
+  CHECK(lines_only.page == 0);
+  CHECK(lines_only.next == buffer.data() + 6500);
 }
 
 namespace {

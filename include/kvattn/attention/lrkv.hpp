@@ -879,6 +879,7 @@ class LrkvLayer {
       const S* rows = cache.key_row(first);
       detail::Prefetcher values(prefetch ? cache.value_row(first) : nullptr,
                                 n * value_width * Index{sizeof(S)});
+      values.touch = kTouchPages;
       // q_h . k~_s,t for every head against the shared key (rows read by all heads) + q~_h .
       // r~_h,t, head h reading its own slice (seg = r), in one pass over each row ...
       if (!score_bf16_dot(rows, n, logits, ld, values)) {
@@ -924,6 +925,7 @@ class LrkvLayer {
       const Index ahead = prefetch ? std::min(n, detail::contiguous_rows(cache, first + n)) : 0;
       auto [keys_a, keys_b] = halves(ahead > 0 ? cache.key_row(first + n) : nullptr,
                                      ahead * key_width * Index{sizeof(S)}, rank > 0 ? 0.6 : 1.0);
+      keys_a.touch = keys_b.touch = kTouchPages;
       // (bf16 shared values are summed in pairs or by the dot kernel, each in its column
       // order, which the callers of split_attention restore.)
       if (!accumulate_bf16_dot(rows, n, weights, ld, acc, acc_stride, keys_a, spare)) {
@@ -937,6 +939,11 @@ class LrkvLayer {
       }
     }
     static constexpr Index kTokenBlock = 16;
+    // Whether the plain rows' prefetches touch their pages ahead (detail::Prefetcher): fp32
+    // 0.64-0.69 -> 0.74-0.83 of a read pass with one thread; bf16 within the noise in a
+    // loop of steps (0.56-0.64 without, 0.61-0.65 with) and slower in a first run of
+    // kvattn_bench (0.42-0.46; 0.48-0.60 without), so not for 2-byte rows.
+    static constexpr bool kTouchPages = sizeof(S) >= 4;
 
     // With the rounded queries (DecodeArithmetic::bf16_dot on a bf16 cache): the tile's
     // logits, shared and residual parts, by vdpbf16ps; false (nothing done) otherwise.

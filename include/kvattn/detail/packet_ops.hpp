@@ -463,13 +463,16 @@ EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
 /// burst per tile or block instead, the prefetches fill the miss queues and stall the
 /// loads behind them.
 ///
-/// Each step also touches the range's 4 KiB pages kPageLead bytes ahead of its lines.
-/// The hardware stream prefetcher follows a stream within a 4 KiB page and starts on a
-/// page only after misses there, so line prefetches alone leave each page's stream to
-/// start 8 KiB (two pages) before the kernel reads it. One early touch per page starts it
-/// sooner: one core's GQA fp32 step 0.83 -> 1.06 of a plain read pass (L = 65536), MHA
-/// fp32 0.80 -> 1.22 and bf16 0.79 -> 0.97, bf16 GQA 0.67-0.73 -> 0.92-1.01 (cold caches
-/// on huge pages, AVX-512, interleaved with read passes; details in docs/benchmarks.md).
+/// With `touch` set, each step also touches the range's 4 KiB pages kPageLead bytes
+/// ahead of its lines. The hardware stream prefetcher follows a stream within a 4 KiB
+/// page and starts on a page only after misses there, so line prefetches alone leave
+/// each page's stream to start 8 KiB (two pages) before the kernel reads it. One early
+/// touch per page starts it sooner: one core's GQA fp32 step 0.78-0.81 -> 0.92-1.03 of a
+/// plain read pass (L = 65536), MHA fp32 0.80-0.89 -> 1.05-1.23, bf16 GQA 0.67-0.86 ->
+/// 0.92-1.09, bf16 MHA 0.75-1.00 -> 0.97-1.20, LRKV fp32 0.64-0.69 -> 0.74-0.83 (cold
+/// caches on huge pages, AVX-512, steps alternating with read passes; docs/benchmarks.md).
+/// Opt-in, set where that was measured: not for bf16 LRKV (no faster) nor for MLA
+/// (compute-bound, no faster).
 struct Prefetcher {
   const char* next = nullptr;
   const char* end = nullptr;
@@ -481,6 +484,7 @@ struct Prefetcher {
   Index period = 1;          // a step issues every `period` steps
   Index countdown = 1;
   std::uintptr_t page = 0;  // the next page boundary to touch (0: the one after `next`)
+  bool touch = false;       // whether steps touch the pages ahead (see above)
   // Bytes past the last range's end that belong to the same block (the rows a later
   // tile reads): its pages may be touched too. Set by callers that know the layout.
   Index touch_past = 0;
@@ -530,7 +534,7 @@ struct Prefetcher {
       take_next_range();
       if (next >= end) return;
     }
-    touch_pages();
+    if (touch) touch_pages();
   }
   /// Whatever step() has not reached yet.
   void finish() {
