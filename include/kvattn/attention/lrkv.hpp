@@ -939,11 +939,16 @@ class LrkvLayer {
       }
     }
     static constexpr Index kTokenBlock = 16;
-    // Whether the plain rows' prefetches touch their pages ahead (detail::Prefetcher): fp32
-    // 0.64-0.69 -> 0.74-0.83 of a read pass with one thread; bf16 within the noise in a
-    // loop of steps (0.56-0.64 without, 0.61-0.65 with) and slower in a first run of
-    // kvattn_bench (0.42-0.46; 0.48-0.60 without), so not for 2-byte rows.
+    // Whether the plain rows' prefetches touch their pages ahead (detail::Prefetcher), in
+    // AVX-512 builds and for fp32 rows: there 0.64-0.69 -> 0.74-0.83 of a read pass with
+    // one thread. bf16 was within the noise in a loop of steps (0.56-0.64 without, 0.61-0.65
+    // with) and slower in a first run of kvattn_bench (0.42-0.46; 0.48-0.60 without); an
+    // AVX2 build's fp32 step, which waits on its arithmetic, 6-17% slower with them.
+#if defined(EIGEN_VECTORIZE_AVX512)
     static constexpr bool kTouchPages = sizeof(S) >= 4;
+#else
+    static constexpr bool kTouchPages = false;
+#endif
 
     // With the rounded queries (DecodeArithmetic::bf16_dot on a bf16 cache): the tile's
     // logits, shared and residual parts, by vdpbf16ps; false (nothing done) otherwise.
