@@ -749,14 +749,7 @@ class GqaLayer {
       detail::Prefetcher ranges = count2 <= 0 ? detail::Prefetcher(rows(begin), count * row_bytes)
                                               : detail::Prefetcher(rows(begin), count * row_bytes,
                                                                    rows(next), count2 * row_bytes);
-      // Touching the pages ahead where that was measured faster, the later tiles' rows on
-      // the same page too.
       ranges.touch = touch_pages(group_size);
-      // (Rows after the last one prefetched on its page: in memory right after the range.)
-      const Index tail = count2 <= 0 ? next : next + count2;
-      const Index more = std::min(detail::contiguous_rows(cache, tail - 1) - 1,
-                                  detail::Prefetcher::kPageLead / row_bytes + 1);
-      ranges.touch_past = std::max<Index>(0, more) * row_bytes;
       return ranges;
     }
 
