@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <thread>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -243,6 +244,14 @@ int rotation_count(double slot_bytes) {
   if (smoke() || slot_bytes <= 0) return 1;
   constexpr double target = 96.0 * 1024 * 1024;
   return static_cast<int>(std::clamp(std::ceil(target / slot_bytes), 1.0, 256.0));
+}
+
+int rotation_count(double slot_bytes, int reads) {
+  int n = rotation_count(slot_bytes);
+  if (n > 1) {
+    while (std::gcd(n, reads) != 1) ++n;
+  }
+  return n;
 }
 
 // ---- Failures --------------------------------------------------------------------------

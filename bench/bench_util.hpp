@@ -140,6 +140,15 @@ double report(benchmark::State& state, const Cost& cost, const Limits& limits, i
 /// would. 1 in smoke mode; at most 256.
 int rotation_count(double slot_bytes);
 
+/// rotation_count for a loop whose reads take the slots in turn, `reads` per iteration
+/// (decode/: the step, the read pass, the naive step): rounded up to a count prime to
+/// `reads`, so that every read visits every slot. With a multiple of `reads`, each read
+/// would keep to its own slots (two per iteration over 2 slots: the steps all on one, the
+/// read passes all on the other), and buffers differ in read bandwidth on this VM: four
+/// 128 MiB buffers read in turn, 11 passes each, had medians of 25-37 GB/s, in the same
+/// order in two runs.
+int rotation_count(double slot_bytes, int reads);
+
 /// The rotation slot whose read pass follows step `iteration`: half the rotation away
 /// from the slots the neighbouring steps use, so neither the read pass nor the next
 /// step finds its data in L3 (the same slot when there is only one).

@@ -185,7 +185,9 @@
 //     (3x the 32 MiB L3) is replicated N times so that N copies hold >= 96 MiB, and
 //     step i uses copy i mod N (with a private copy of the layer when the step reads
 //     weights), as the layers of a deep model would; the read pass after step i reads
-//     copy (i + N/2) mod N, so neither finds its data in L3. Not in smoke mode.
+//     copy (i + N/2) mod N, so neither finds its data in L3 (decode/: every read takes
+//     the copy read longest ago, N prime to the reads per step, so each read visits
+//     every copy; docs/bench-method.md). Not in smoke mode.
 //   * Caches are filled by append with a pool of min(L, 1024) kvattn::random_normal
 //     rows, repeated cyclically (never a quadratic prefill).
 //   * Layers are built once per run (seed 1) and shared; caches are built inside each
