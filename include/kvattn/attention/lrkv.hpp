@@ -941,9 +941,9 @@ class LrkvLayer {
     static constexpr Index kTokenBlock = 16;
     // Whether the plain rows' prefetches touch their pages ahead (detail::Prefetcher), in
     // AVX-512 builds: one thread, L = 65536, fp32 0.64-0.69 -> 0.74-0.83 of a read pass;
-    // bf16 1.04-1.12x as fast in 7 of 8 alternating pairs (0.59-0.65 -> 0.62-0.71), with
-    // the bf16 dot kernels 1.04-1.05x (0.675 -> 0.70-0.71). An AVX2 build's fp32 step, which
-    // waits on its arithmetic, was 6-17% slower with them.
+    // bf16 1.05-1.16x as fast in 7 of 8 alternating pairs (0.59-0.63 -> 0.62-0.71; the 8th
+    // 0.99x), with the bf16 dot kernels 1.04-1.05x (0.675 -> 0.70-0.71). An AVX2 build's
+    // fp32 step, which waits on its arithmetic, was 6-17% slower with them.
 #if defined(EIGEN_VECTORIZE_AVX512)
     static constexpr bool kTouchPages = true;
 #else

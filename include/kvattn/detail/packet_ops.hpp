@@ -470,7 +470,7 @@ EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
 /// touch per page starts it sooner: one core's GQA fp32 step 0.78-0.81 -> 0.92-1.03 of a
 /// plain read pass (L = 65536), MHA fp32 0.80-0.89 -> 1.05-1.23, bf16 GQA 0.67-0.86 ->
 /// 0.92-1.09, bf16 MHA 0.75-1.00 -> 0.97-1.20, LRKV fp32 0.64-0.69 -> 0.74-0.83, LRKV bf16
-/// 1.04-1.12x (cold caches on huge pages, AVX-512, steps alternating with read passes;
+/// 1.05-1.16x (cold caches on huge pages, AVX-512, steps alternating with read passes;
 /// docs/benchmarks.md). Opt-in, set where that was measured: not for MLA (compute-bound,
 /// no faster) nor for quantized rows (not measured).
 struct Prefetcher {
