@@ -641,8 +641,10 @@ TEST_CASE("Prefetcher stays inside its range and spreads it over the planned ste
   CHECK(none.next == none.end);
 }
 
-TEST_CASE("Prefetcher touches each page a page lead ahead of its lines, within its range",
-          "[kernels]") {
+TEST_CASE(
+    "Prefetcher touches each page a page lead ahead of its lines, within its range or touch_past "
+    "beyond it",
+    "[kernels]") {
   // `page` is the next 4 KiB boundary still to touch, as an offset from an aligned buffer.
   static_assert(detail::Prefetcher::kPage == 4096 && detail::Prefetcher::kPageLead == 8192);
   alignas(4096) static std::array<char, 65536> buffer{};
@@ -658,6 +660,13 @@ TEST_CASE("Prefetcher touches each page a page lead ahead of its lines, within i
   CHECK(offset(p) == 16384);
   for (int i = 100; i < 624; ++i) p.step();  // next 40036: the range's end (40100) binds
   CHECK(offset(p) == 40960);                 // 36864 the last touched
+  // Allowed 5000 bytes past the end (touch_past): 40960 and 45056 too (< 40100 + 5000).
+  detail::Prefetcher past(buffer.data() + 100, 40000);
+  past.touch = true;
+  past.touch_past = 5000;
+  past.plan(625);
+  for (int i = 0; i < 624; ++i) past.step();
+  CHECK(offset(past) == 49152);
   // A second range starts its touches over from its own lines: 4096 bytes, from 50000.
   detail::Prefetcher two(buffer.data() + 100, 256, buffer.data() + 50000, 4096);
   two.touch = true;

@@ -485,6 +485,9 @@ struct Prefetcher {
   Index countdown = 1;
   std::uintptr_t page = 0;  // the next page boundary to touch (0: the one after `next`)
   bool touch = false;       // whether steps touch the pages ahead (see above)
+  // Bytes past the last range's end that belong to the same block (the rows a later
+  // tile reads): its pages may be touched too. Set by callers that know the layout.
+  Index touch_past = 0;
 
   static constexpr Index kLine = 64;
   static constexpr Index kPage = 4096;
@@ -540,11 +543,14 @@ struct Prefetcher {
   }
 
  private:
-  // Touches the page boundaries in (next, next + kPageLead) within the range, as
-  // addresses: past it may lie another allocation or another page of a paged cache.
+  // Touches the page boundaries in (next, next + kPageLead) within the range (and
+  // touch_past bytes after the last one), as addresses: past it may lie another
+  // allocation or another page of a paged cache.
   EIGEN_ALWAYS_INLINE void touch_pages() {
     const auto at = reinterpret_cast<std::uintptr_t>(next);
-    const auto limit = std::min(at + kPageLead, reinterpret_cast<std::uintptr_t>(end));
+    const auto past = next_range == next_range_end ? touch_past : 0;
+    const auto limit =
+        std::min(at + kPageLead, reinterpret_cast<std::uintptr_t>(end) + std::uintptr_t(past));
     if (page <= at) page = (at | (kPage - 1)) + 1;
     for (; page < limit; page += kPage) prefetch_line(reinterpret_cast<const void*>(page));
   }
