@@ -731,8 +731,8 @@ class GqaLayer {
 
     // Whether the touches go on past the prefetch range, over the later tiles' rows on the
     // same page (Prefetcher::touch_past): in AVX-512 builds, for fp32 rows shared by 2-4
-    // query rows. kvattn_bench, builds with and without alternating, one thread, L = 16384
-    // and 65536: fp32 GQA (4 rows) 0.95-1.28 of the read pass with them, 0.78-0.98 without,
+    // query rows. kvattn_bench, builds with and without them run in turn, one thread, L =
+    // 16384 and 65536: fp32 GQA (4 rows) 0.95-1.28 of the read pass with them, 0.78-0.98 without,
     // faster in each of 10 comparisons; MHA (1 row) within the noise (fp32 1.11-1.26
     // against 1.15-1.34); fp32 MQA (32 rows) 0.61-0.87 against 0.79-0.93 and bf16 GQA
     // 0.74-0.89 against 0.81-0.95, slower. Groups of 2 and 3 rows were not measured.
