@@ -703,7 +703,7 @@ class GqaLayer {
     static bool paired_score(Index group_size, Index head_dim) {
 #if defined(EIGEN_VECTORIZE_AVX512)
       return group_size >= 2 && !detail::kernels::outer_score<T>(group_size, head_dim) &&
-             detail::paired_score_rows<T, S>(head_dim);
+             detail::paired_rows<T, S>(head_dim);
 #else
       return group_size == 1 && detail::paired_rows<T, S>(head_dim);
 #endif

@@ -141,7 +141,7 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
   };
   if constexpr (Paired) {
 #if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 and AVX-512 builds
-    if constexpr (kHavePairedScoreBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8) {
+    if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8) {
       // 16 registers: 16 bf16 elements per load, the even-indexed ones in one pass over
       // the block's rows, the odd-indexed in a second (the reload hits L1), so that one
       // key packet at a time is live (12 accumulators + M queries + 1).
@@ -163,7 +163,7 @@ inline void score_block(const T* q, Index q_stride, Index dk, const S* k, Index 
           }
         }
       }
-    } else if constexpr (kHavePairedScoreBf16 && std::is_same_v<S, Eigen::bfloat16>) {
+    } else if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16>) {
       // 32 registers: 32 bf16 elements per load, both halves live (M * B accumulators,
       // 2M query packets, 2 key packets: B = 4 for 4 rows, see kPairedLanes4).
       for (Index j = 0; j < dk; j += 2 * P) {
@@ -384,7 +384,7 @@ void score_rows_by_token(const T* q, Index q_stride, Index dk, const S* k, Index
     for (int m = 0; m < M; ++m) acc[m] = ei::pset1<Packet<T>>(T(0));
     if constexpr (Layout == kPaired) {
 #if KVATTN_PAIRED_BF16
-      // dk is whole pairs of packets (paired_score_rows), the query in paired order.
+      // dk is whole pairs of packets (paired_rows), the query in paired order.
       KVATTN_UNROLL_4
       for (Index j = 0; j < dk; j += 2 * P) {
         const RawBf16 raw = load_bf16_raw(row + j);
@@ -631,7 +631,7 @@ constexpr bool rows4_by_token(Index G, Index width) {
 template <class T, class S>
 constexpr bool paired_rows4_by_token(Index G, Index width) {
   constexpr Index P = packet_size<T>;
-  return paired_score_rows<T, S>(width) && G == 4 && width <= 8 * P;
+  return paired_rows<T, S>(width) && G == 4 && width <= 8 * P;
 }
 
 // logits of rows [0, 4) of q against tokens [0, n) of k, D packets wide (Paired: bf16
@@ -820,7 +820,8 @@ inline void accumulate_block(const T* w, Index ld, const S* v, Index v_stride, I
       // 16 bf16 columns per load: the even-indexed into packet d, the odd into d + 1
       // (the accumulator row is in paired order; D is even).
 #if KVATTN_PAIRED_BF16  // the intrinsics below exist only in AVX2 and AVX-512 builds
-      if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && P == 8 && D % 2 == 0) {
+      if constexpr (kHavePairedBf16 && std::is_same_v<S, Eigen::bfloat16> && 2 * P == kPairBlock &&
+                    D % 2 == 0) {
         Packet<T> weight[M];
         KVATTN_UNROLL
         for (int m = 0; m < M; ++m) weight[m] = ei::pset1<Packet<T>>(w[m * ld + t]);
@@ -957,6 +958,9 @@ inline constexpr Index kEightRowsWidth = 256;
 // against 0.75-0.86, the decode step 0.65-0.85 against 0.65-0.81, faster in 14 of 15
 // pairs (median +3%); fp32 values, alone 0.92-0.96 against 0.84-0.87, made the step 1-6%
 // slower, and keep 4-row blocks. (2 and 3 rows take 2-row blocks anyway.)
+// bf16 rows of whole pair blocks (d_h 64, 96, 128 on AVX-512) are read in pairs instead
+// (kPaired, 4-row blocks): in pairs, whole 2-row blocks measured no faster (GQA, L = 16384
+// and 65536, one thread: 0.98-1.02x).
 constexpr int accumulate_block_rows(Index left, bool eight, bool whole = false) {
   if (whole) return left >= 2 ? 2 : 1;
   return kEightRowBlocks && eight && left >= 8 ? 8 : block_rows(left);
@@ -1022,15 +1026,14 @@ void accumulate_rows(const T* w, Index ld, Index G, const S* v, Index v_stride, 
 /// along the way (see Prefetcher) and finished at the end. `second` (optional) adds a
 /// second, per-row dot product into the same logits (see SecondDot). `paired`: the rows
 /// are read in pairs (packet_ops.hpp), and q is in paired order; only where
-/// paired_score_rows<T, S>(dk) and seg == 0.
+/// paired_rows<T, S>(dk) and seg == 0.
 template <class T, class S>
 void score_rows(const T* q, Index q_stride, Index G, Index dk, const S* k, Index k_stride,
                 Index seg, Index n, T* logits, Index ld, bool add, Prefetcher* prefetch = nullptr,
                 const std::type_identity_t<SecondDot<T>>* second = nullptr, bool paired = false) {
   constexpr Index P = packet_size<T>;
-  if constexpr (kHavePairedScoreBf16 && std::is_same_v<T, float> &&
-                std::is_same_v<S, Eigen::bfloat16>) {
-    if (paired && paired_score_rows<T, S>(dk) && seg == 0) {
+  if constexpr (kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>) {
+    if (paired && paired_rows<T, S>(dk) && seg == 0) {
       const bool narrow = second != nullptr && second->dk < P;
       if (n > 0 && G > 0) {
 #if defined(EIGEN_VECTORIZE_AVX512)

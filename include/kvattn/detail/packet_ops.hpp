@@ -151,15 +151,19 @@ inline void keep_in_register(P& p) {
 /// (to_paired, blocks of kPairBlock = 2P elements): a query row for a dot product, and
 /// an accumulator row, put back in order after the pass (from_paired).
 ///
-/// AVX2 reads pairs in the score and the accumulate (kHavePairedBf16); AVX-512 in the
-/// score only (kHavePairedScoreBf16), where the widening shuffle was what bound it:
+/// AVX2 and AVX-512 read pairs in the score and the accumulate (kHavePairedBf16). On
+/// AVX-512 the score took pairs first, where the widening shuffle was what bound it:
 /// kernel-only, the score of 4 query rows against hot bf16 keys (d_h = 128, Zen 5) took
-/// 10.2 ns per token widened and 7.7 ns in pairs (5.4 with d_h a compile-time constant),
-/// the accumulate 5.6 ns widened (pairs measured no faster there).
+/// 10.2 ns per token widened and 7.7 ns in pairs (5.4 with d_h a compile-time constant).
+/// The accumulate, 5.6 ns per token widened and no faster in pairs there, reads pairs
+/// since a measurement of whole decode steps over cold caches (one thread, L = 65536,
+/// Zen 5, the two alternating in one process): LRKV's bf16 step 1.10-1.13x as fast (the
+/// shared values in pairs), GQA's (8 KV heads) 0.99-1.08x, at L = 16384 1.06x, MHA's and
+/// MQA's within 1%, MLA's (`kvattn_bench`) 1-3% faster. Its hot time was never the
+/// limit: beside the memory stream, a kernel's loads and shuffles are (docs/benchmarks.md).
 #if defined(EIGEN_VECTORIZE_AVX512)
 #define KVATTN_PAIRED_BF16 1
-inline constexpr bool kHavePairedBf16 = false;
-inline constexpr bool kHavePairedScoreBf16 = true;
+inline constexpr bool kHavePairedBf16 = true;
 using RawBf16 = __m512i;
 inline RawBf16 load_bf16_raw(const Eigen::bfloat16* from) { return _mm512_loadu_si512(from); }
 // The zero-masking shift (GCC bug 105593, see load_widened).
@@ -173,7 +177,6 @@ inline __m512 bf16_odd(RawBf16 raw) {
 #elif defined(EIGEN_VECTORIZE_AVX2)
 #define KVATTN_PAIRED_BF16 1
 inline constexpr bool kHavePairedBf16 = true;
-inline constexpr bool kHavePairedScoreBf16 = true;
 using RawBf16 = __m256i;
 inline RawBf16 load_bf16_raw(const Eigen::bfloat16* from) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
@@ -186,25 +189,17 @@ inline __m256 bf16_odd(RawBf16 raw) {
 #else
 #define KVATTN_PAIRED_BF16 0
 inline constexpr bool kHavePairedBf16 = false;
-inline constexpr bool kHavePairedScoreBf16 = false;
 #endif
 
 /// Elements per paired block: one load of bf16 pairs (16 on AVX2, 32 on AVX-512).
 inline constexpr Index kPairBlock = 2 * packet_size<float>;
 
-/// Whether rows of `width` elements of storage S are read in pairs by the accumulate
-/// and the score (see above): bf16 into float on AVX2, width a multiple of kPairBlock.
+/// Whether rows of `width` elements of storage S can be read in pairs by the accumulate
+/// and the score (see above): bf16 into float on AVX2 and AVX-512, width a multiple of
+/// kPairBlock.
 template <class T, class S>
 constexpr bool paired_rows(Index width) {
   return kHavePairedBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
-         width > 0 && width % kPairBlock == 0;
-}
-
-/// Whether score_rows can read rows of `width` elements of storage S in pairs (AVX2 and
-/// AVX-512), the query then in paired order.
-template <class T, class S>
-constexpr bool paired_score_rows(Index width) {
-  return kHavePairedScoreBf16 && std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16> &&
          width > 0 && width % kPairBlock == 0;
 }
 
