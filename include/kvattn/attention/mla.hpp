@@ -570,13 +570,7 @@ class MlaLayer {
       return DecodeOps<Cache>{cache, absorbed, H, dc, width, own, own_t, batch * H};
     });
     detail::finish_batch(ws.batch, ws.batch_latent_heads.data());
-    if (detail::paired_rows<T, S>(dc)) {
-      for (Index r = 0; r < batch * H; ++r)
-        detail::from_paired(ws.batch_latent_heads.row(r).data(), dc);
-    }
-    if (rounded != nullptr && dot_values(dc)) {
-      detail::from_bf16_dot_order(ws.batch_latent_heads.data(), batch * H, dc);
-    }
+    restore_order<S>(ws.batch_latent_heads.data(), batch * H, rounded != nullptr);
     // o_h = o-bar_h W_UV_h for all B rows of head h at once.
     detail::parallel_for(H, thread_count, [&](Index h) {
       const detail::ConstRowsMap<T> latent(ws.batch_latent_heads.data() + h * dc, batch, dc,
@@ -874,6 +868,19 @@ class MlaLayer {
     static constexpr Index kTokenBlock = 0;
   };
 
+  // Puts `rows` latent accumulator rows (d_c each, contiguous) back in column order after
+  // a step whose bf16 latents were summed by the dot kernel (`rounded`: the step had a
+  // rounded query) or in pairs (storage S): one or the other, never both.
+  template <class S>
+  void restore_order(T* latent, Index rows, bool rounded) const {
+    const Index dc = config_.kv_rank;
+    if (rounded && dot_values(dc)) {
+      detail::from_bf16_dot_order(latent, rows, dc);
+    } else if (detail::paired_rows<T, S>(dc)) {
+      for (Index r = 0; r < rows; ++r) detail::from_paired(latent + r * dc, dc);
+    }
+  }
+
   // The absorbed step over the plan's tokens; ws.query holds the rotated query. With
   // row_max / row_sum, each head's max and normalizer go there and the sink logits are
   // left out (attend_states). Never throws: prepare() has sized everything.
@@ -894,12 +901,7 @@ class MlaLayer {
                                rounded, transposed,         c.n_heads};
     detail::split_attention(plan, ws.split, ops, ws.latent_heads.data(),
                             row_max != nullptr ? nullptr : sink_logits(), row_max, row_sum);
-    if (detail::paired_rows<T, S>(dc)) {  // bf16 latents were summed in pairs
-      for (Index h = 0; h < c.n_heads; ++h) detail::from_paired(ws.latent_heads.row(h).data(), dc);
-    }
-    if (rounded != nullptr && dot_values(dc)) {  // ... or by the dot kernel
-      detail::from_bf16_dot_order(ws.latent_heads.data(), c.n_heads, dc);
-    }
+    restore_order<S>(ws.latent_heads.data(), c.n_heads, rounded != nullptr);
     // 3. Up-project each head's latent output by its own W_UV_h: o_h = o-bar_h W_UV_h.
     up_project_heads(ws.latent_heads.data(), heads, threads);
   }
