@@ -159,8 +159,9 @@ inline void keep_in_register(P& p) {
 /// since a measurement of whole decode steps over cold caches (one thread, L = 65536,
 /// Zen 5, the two alternating in one process): LRKV's bf16 step 1.10-1.13x as fast (the
 /// shared values in pairs), GQA's (8 KV heads) 0.99-1.08x, at L = 16384 1.06x, MHA's and
-/// MQA's within 1%, MLA's (`kvattn_bench`) 1-3% faster. Its hot time was never the
-/// limit: beside the memory stream, a kernel's loads and shuffles are (docs/benchmarks.md).
+/// MQA's within 1%; in `kvattn_bench`, V2 MLA's 1-3% faster, V2-Lite's within the spread.
+/// Its hot time was not what limited it: beside the memory stream, a kernel's loads and
+/// shuffles cost more than they do hot (docs/benchmarks.md, "loads beside the stream").
 #if defined(EIGEN_VECTORIZE_AVX512)
 #define KVATTN_PAIRED_BF16 1
 inline constexpr bool kHavePairedBf16 = true;
