@@ -57,12 +57,19 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
   constexpr int TB = P >= 8 ? 8 : static_cast<int>(P);
   const Index full = r / P * P;
   const Index skip = full < r ? P - (r - full) : 0;
+  const Index row_bytes = stride * Index(sizeof(S));
+#if defined(EIGEN_VECTORIZE_AVX512)
+  constexpr bool key_pairs = std::is_same_v<S, Eigen::bfloat16> && std::is_same_v<T, float>;
+#else
+  constexpr bool key_pairs = false;
+#endif
   if (prefetch != nullptr) {
     const Index token_blocks = (n + TB - 1) / TB;
     const Index head_pairs = (hp / P + 1) / 2;
-    // One step per shared-key element of each block and per residual dot product: the
-    // prefetches spread over the whole pass, not bunched into its shared part.
-    prefetch->plan(token_blocks * head_pairs * dh + (n + P - 1) / P * H * (full / P));
+    const Index shared_steps = key_pairs ? (dh + 1) / 2 : dh;
+    // One step per shared-key element (or pair) of each block and per residual dot
+    // product: the prefetches spread over the whole pass, not bunched into its shared part.
+    prefetch->plan(token_blocks * head_pairs * shared_steps + (n + P - 1) / P * H * (full / P));
   }
   for (Index t0 = 0; t0 < n; t0 += P) {
     for (Index c0 = 0; c0 < hp; c0 += 2 * P) {
@@ -70,55 +77,61 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
       // The shared part: sums[c][b] = heads [c0 + c P, +P) against token t0 + b.
       Pk sums[2][P];
       for (Index b0 = 0; b0 < P; b0 += TB) {
-        const S* row[TB];
-        KVATTN_UNROLL
-        for (int b = 0; b < TB; ++b) row[b] = rows + std::min(t0 + b0 + b, n - 1) * stride;
         Pk acc0[TB], acc1[TB];
         KVATTN_UNROLL
         for (int b = 0; b < TB; ++b) acc0[b] = acc1[b] = ei::pset1<Pk>(T(0));
-        if (t0 + b0 < n) {
+        const Index block_rows = std::min<Index>(TB, n - t0 - b0);
+        // Rows past n are not read: their sums stay zero (the columns past n are garbage).
+        auto shared = [&](auto all_rows) {
+          StridedRows<TB> in(rows + (t0 + b0) * stride, row_bytes, block_rows);
           const T* q = query_t + c0;
           Index j = 0;
 #if defined(EIGEN_VECTORIZE_AVX512)
-          if constexpr (std::is_same_v<S, Eigen::bfloat16> && std::is_same_v<T, float>) {
+          if constexpr (key_pairs) {
             // bf16 keys two elements at a time: one 32-bit broadcast holds k_j (low half)
             // and k_j+1 (high half) in every lane, widened by a shift and a mask (3
             // operations per 2 elements, where a scalar widen and broadcast took 4 per
             // element; kernel-only, 32 heads, 64 hot tokens: 90 -> 82 ns per token).
-            for (; j + 1 < dh; j += 2, q += 2 * hp) {
-              if (prefetch != nullptr) {
-                prefetch->step();
-                prefetch->step();
-              }
+            for (; j + 1 < dh; j += 2, q += 2 * hp, in.advance(2 * sizeof(S))) {
+              if (prefetch != nullptr) prefetch->step();
               const Pk q0 = ei::ploadu<Pk>(q);
               const Pk q1 = pair ? ei::ploadu<Pk>(q + P) : q0;
               const Pk q0_next = ei::ploadu<Pk>(q + hp);
               const Pk q1_next = pair ? ei::ploadu<Pk>(q + hp + P) : q0_next;
               KVATTN_UNROLL
               for (int b = 0; b < TB; ++b) {
-                std::int32_t both;
-                std::memcpy(&both, row[b] + j, sizeof both);
-                const RawBf16 raw = _mm512_set1_epi32(both);
-                const Pk k = bf16_even(raw), k_next = bf16_odd(raw);
-                acc0[b] = ei::pmadd(k, q0, acc0[b]);
-                acc1[b] = ei::pmadd(k, q1, acc1[b]);
-                acc0[b] = ei::pmadd(k_next, q0_next, acc0[b]);
-                acc1[b] = ei::pmadd(k_next, q1_next, acc1[b]);
+                if (all_rows || b < block_rows) {
+                  std::int32_t both;
+                  std::memcpy(&both, in.template row<S>(b), sizeof both);
+                  const RawBf16 raw = _mm512_set1_epi32(both);
+                  const Pk k = bf16_even(raw), k_next = bf16_odd(raw);
+                  acc0[b] = ei::pmadd(k, q0, acc0[b]);
+                  acc1[b] = ei::pmadd(k, q1, acc1[b]);
+                  acc0[b] = ei::pmadd(k_next, q0_next, acc0[b]);
+                  acc1[b] = ei::pmadd(k_next, q1_next, acc1[b]);
+                }
               }
             }
           }
 #endif
-          for (; j < dh; ++j, q += hp) {
+          for (; j < dh; ++j, q += hp, in.advance(sizeof(S))) {
             if (prefetch != nullptr) prefetch->step();
             const Pk q0 = ei::ploadu<Pk>(q);
             const Pk q1 = pair ? ei::ploadu<Pk>(q + P) : q0;
             KVATTN_UNROLL
             for (int b = 0; b < TB; ++b) {
-              const Pk k = ei::pset1<Pk>(static_cast<T>(row[b][j]));
-              acc0[b] = ei::pmadd(k, q0, acc0[b]);
-              acc1[b] = ei::pmadd(k, q1, acc1[b]);
+              if (all_rows || b < block_rows) {
+                const Pk k = ei::pset1<Pk>(static_cast<T>(*in.template row<S>(b)));
+                acc0[b] = ei::pmadd(k, q0, acc0[b]);
+                acc1[b] = ei::pmadd(k, q1, acc1[b]);
+              }
             }
           }
+        };
+        if (block_rows == TB) {
+          shared(std::true_type{});
+        } else if (block_rows > 0) {
+          shared(std::false_type{});
         }
         KVATTN_UNROLL
         for (int b = 0; b < TB; ++b) {
@@ -138,27 +151,31 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
         ei::ptranspose(block);
         for (Index m = 0; m < heads; ++m) {
           const T* q = query_latent + (h0 + m) * r;
-          const S* base = rows + t0 * stride + dh + (h0 + m) * r;
           Pk dots[P];
           KVATTN_UNROLL
           for (int b = 0; b < P; ++b) dots[b] = ei::pset1<Pk>(T(0));
           auto pass = [&](auto all_tokens) {
-            for (Index j = 0; j < full; j += P) {
+            StridedRows<static_cast<int>(P)> in(rows + t0 * stride + dh + (h0 + m) * r, row_bytes,
+                                                valid);
+            for (Index j = 0; j < full; j += P, in.advance(P * sizeof(S))) {
               if (prefetch != nullptr) prefetch->step();
               const Pk qj = ei::ploadu<Pk>(q + j);
               KVATTN_UNROLL
               for (int b = 0; b < P; ++b) {
                 if (all_tokens || b < valid) {
-                  dots[b] = ei::pmadd(qj, load_widened<T>(base + b * stride + j), dots[b]);
+                  dots[b] = ei::pmadd(qj, load_widened<T>(in.template row<S>(b)), dots[b]);
                 }
               }
             }
             if (skip > 0) {
+              // The last packet of the slice ends at its end; its first `skip` lanes,
+              // already summed, are zeroed.
+              const Index back = (r - P - full) * Index(sizeof(S));
               const Pk qj = ei::ploadu<Pk>(q + r - P);
               KVATTN_UNROLL
               for (int b = 0; b < P; ++b) {
                 if (all_tokens || b < valid) {
-                  const Pk kp = zero_first<T>(load_widened<T>(base + b * stride + r - P), skip);
+                  const Pk kp = zero_first<T>(load_widened<T>(in.template row<S>(b, back)), skip);
                   dots[b] = ei::pmadd(qj, kp, dots[b]);
                 }
               }
@@ -202,6 +219,7 @@ void lrkv_score_bf16_dot(const Eigen::bfloat16* query_pairs, Index hp,
   const Index chunks = (r + 31) / 32;
   const __mmask32 tail_mask =
       r % 32 == 0 ? ~__mmask32{0} : static_cast<__mmask32>((std::uint64_t{1} << (r % 32)) - 1);
+  const Index row_bytes = stride * Index(sizeof(Eigen::bfloat16));
   if (prefetch != nullptr) {
     const Index token_blocks = (n + TB - 1) / TB;
     const Index head_pairs = (hp / P + 1) / 2;
@@ -212,28 +230,34 @@ void lrkv_score_bf16_dot(const Eigen::bfloat16* query_pairs, Index hp,
       const bool pair = c0 + P < hp;
       Pk sums[2][P];
       for (Index b0 = 0; b0 < P; b0 += TB) {
-        const Eigen::bfloat16* row[TB];
-        KVATTN_UNROLL
-        for (int b = 0; b < TB; ++b) row[b] = rows + std::min(t0 + b0 + b, n - 1) * stride;
         __m512 acc0[TB], acc1[TB];
         KVATTN_UNROLL
         for (int b = 0; b < TB; ++b) acc0[b] = acc1[b] = _mm512_setzero_ps();
-        if (t0 + b0 < n) {
+        const Index block_rows = std::min<Index>(TB, n - t0 - b0);
+        auto shared = [&](auto all_rows) {
+          StridedRows<TB> in(rows + (t0 + b0) * stride, row_bytes, block_rows);
           const Eigen::bfloat16* q = query_pairs + c0 * 2;
-          for (Index j = 0; j < dh; j += 2, q += 2 * hp) {
+          for (Index j = 0; j < dh; j += 2, q += 2 * hp, in.advance(2 * sizeof(Eigen::bfloat16))) {
             if (prefetch != nullptr) prefetch->step();
             const __m512bh q0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q));
             const __m512bh q1 =
                 pair ? reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + 2 * P)) : q0;
             KVATTN_UNROLL
             for (int b = 0; b < TB; ++b) {
-              std::int32_t both;
-              std::memcpy(&both, row[b] + j, sizeof both);
-              const __m512bh k = reinterpret_cast<__m512bh>(_mm512_set1_epi32(both));
-              acc0[b] = _mm512_dpbf16_ps(acc0[b], q0, k);
-              acc1[b] = _mm512_dpbf16_ps(acc1[b], q1, k);
+              if (all_rows || b < block_rows) {
+                std::int32_t both;
+                std::memcpy(&both, in.template row<Eigen::bfloat16>(b), sizeof both);
+                const __m512bh k = reinterpret_cast<__m512bh>(_mm512_set1_epi32(both));
+                acc0[b] = _mm512_dpbf16_ps(acc0[b], q0, k);
+                acc1[b] = _mm512_dpbf16_ps(acc1[b], q1, k);
+              }
             }
           }
+        };
+        if (block_rows == TB) {
+          shared(std::true_type{});
+        } else if (block_rows > 0) {
+          shared(std::false_type{});
         }
         KVATTN_UNROLL
         for (int b = 0; b < TB; ++b) {
@@ -249,25 +273,35 @@ void lrkv_score_bf16_dot(const Eigen::bfloat16* query_pairs, Index hp,
         ei::PacketBlock<Pk, static_cast<int>(P)> block;
         for (Index b = 0; b < P; ++b) block.packet[b] = sums[c][b];
         ei::ptranspose(block);
-        const Eigen::bfloat16* base[P];
-        KVATTN_UNROLL
-        for (int b = 0; b < P; ++b) base[b] = rows + std::min(t0 + b, n - 1) * stride + dh;
+        const Index valid = std::min(P, n - t0);
         for (Index m = 0; m < heads; ++m) {
           const Eigen::bfloat16* q = latent + (h0 + m) * latent_stride;
-          const Index offset = (h0 + m) * r;
           Pk dots[P];
           KVATTN_UNROLL
           for (int b = 0; b < P; ++b) dots[b] = _mm512_setzero_ps();
-          for (Index k = 0; k < chunks; ++k) {
-            if (prefetch != nullptr) prefetch->step();
-            const __mmask32 mask = k + 1 < chunks ? ~__mmask32{0} : tail_mask;
-            const __m512bh qk = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + k * 32));
-            KVATTN_UNROLL
-            for (int b = 0; b < P; ++b) {
-              const __m512bh kp = reinterpret_cast<__m512bh>(
-                  _mm512_maskz_loadu_epi16(mask, base[b] + offset + k * 32));
-              dots[b] = _mm512_dpbf16_ps(dots[b], qk, kp);
+          auto pass = [&](auto all_tokens) {
+            StridedRows<static_cast<int>(P)> in(rows + t0 * stride + dh + (h0 + m) * r, row_bytes,
+                                                valid);
+            for (Index k = 0; k < chunks; ++k) {
+              if (prefetch != nullptr) prefetch->step();
+              const bool last = k + 1 == chunks;
+              const __mmask32 mask = last ? tail_mask : ~__mmask32{0};
+              const __m512bh qk = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + k * 32));
+              KVATTN_UNROLL
+              for (int b = 0; b < P; ++b) {
+                if (all_tokens || b < valid) {
+                  const __m512bh kp = reinterpret_cast<__m512bh>(
+                      _mm512_maskz_loadu_epi16(mask, in.template row<Eigen::bfloat16>(b)));
+                  dots[b] = _mm512_dpbf16_ps(dots[b], qk, kp);
+                }
+              }
+              if (!last) in.advance(32 * sizeof(Eigen::bfloat16));  // never past the slice
             }
+          };
+          if (valid == P) {
+            pass(std::true_type{});
+          } else {
+            pass(std::false_type{});
           }
           ei::pstoreu(logits + (h0 + m) * ld + t0,
                       ei::padd(block.packet[m], sum_lanes<float>(dots)));

@@ -433,6 +433,41 @@ inline void softmax_tile_row(T* s, Index n_pad, T& max, T& sum, T* acc, Index wi
   if (std::isnan(sum) && max == neg_inf) max = T(0);
 }
 
+/// The rows of a register block (up to Rows rows, `stride` bytes apart), addressed as x86
+/// addressing modes allow: one pointer per 4 rows and the stride s and 3s in registers,
+/// row b at [p], [p + s], [p + 2s] or [p + 3s] from its group's pointer. Kept as one
+/// pointer per row, 8 or 16 of them, GCC spilled them and reloaded one beside each load
+/// of a cached row; such loads keep a kernel's arithmetic from overlapping its memory
+/// stream (docs/benchmarks.md, "Rows addressed from a stride": LRKV's bf16 score over
+/// cold rows 1.22-1.33x as fast, hot 1.05x). Only rows b < `valid` may be read; the
+/// pointers never leave them.
+template <int Rows>
+struct StridedRows {
+  static constexpr int kGroups = (Rows + 3) / 4;
+  const char* group[kGroups];
+  Index stride;
+  Index stride3;
+
+  StridedRows(const void* first, Index stride_bytes, Index valid)
+      : stride(stride_bytes), stride3(3 * stride_bytes) {
+    const char* p = static_cast<const char*>(first);
+    KVATTN_UNROLL
+    for (int g = 0; g < kGroups; ++g) group[g] = 4 * g < valid ? p + 4 * g * stride_bytes : p;
+  }
+  /// Row b's current position plus `offset` bytes (b a constant once the caller's loop is
+  /// unrolled).
+  template <class S>
+  EIGEN_ALWAYS_INLINE const S* row(int b, Index offset = 0) const {
+    const Index within = b % 4 == 3 ? stride3 : (b % 4) * stride;
+    return reinterpret_cast<const S*>(group[b / 4] + within + offset);
+  }
+  /// Moves every row's position on by `bytes`.
+  EIGEN_ALWAYS_INLINE void advance(Index bytes) {
+    KVATTN_UNROLL
+    for (int g = 0; g < kGroups; ++g) group[g] += bytes;
+  }
+};
+
 /// Asks for the cache line at p to be brought into the cache hierarchy (a hint: no
 /// fault, no effect on results).
 EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
@@ -459,9 +494,9 @@ EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
 /// burst per tile or block instead, the prefetches fill the miss queues and stall the
 /// loads behind them.
 ///
-/// With `touch` set, each step also touches the range's 4 KiB pages kPageLead bytes
-/// ahead of its lines. The hardware stream prefetcher follows a stream within a 4 KiB
-/// page and starts on a page only after misses there, so line prefetches alone leave
+/// With `touch` set, each step also touches the range's 4 KiB pages page_lead bytes
+/// (kPageLead unless set) ahead of its lines. The hardware stream prefetcher follows a stream
+/// within a 4 KiB page and starts on a page only after misses there, so line prefetches alone leave
 /// each page's stream to start 8 KiB (two pages) before the kernel reads it. One early
 /// touch per page starts it sooner: one core's GQA fp32 step 0.78-0.81 -> 0.92-1.03 of a
 /// plain read pass (L = 65536), MHA fp32 0.80-0.89 -> 1.05-1.23, bf16 GQA 0.67-0.86 ->
@@ -488,6 +523,9 @@ struct Prefetcher {
   static constexpr Index kLine = 64;
   static constexpr Index kPage = 4096;
   static constexpr Index kPageLead = 8 * 1024;
+  // How far ahead of the lines the pages are touched: kPageLead unless a caller measured
+  // better (LRKV's short ranges, attention/lrkv.hpp).
+  Index page_lead = kPageLead;
 
   Prefetcher() = default;
   /// The range to prefetch: `bytes` from `data` (nothing when bytes <= 0), then
@@ -539,14 +577,14 @@ struct Prefetcher {
   }
 
  private:
-  // Touches the page boundaries in (next, next + kPageLead) within the range (and
+  // Touches the page boundaries in (next, next + page_lead) within the range (and
   // touch_past bytes after the last one), as addresses: past it may lie another
   // allocation or another page of a paged cache.
   EIGEN_ALWAYS_INLINE void touch_pages() {
     const auto at = reinterpret_cast<std::uintptr_t>(next);
     const auto past = next_range == next_range_end ? touch_past : 0;
     const auto limit =
-        std::min(at + kPageLead, reinterpret_cast<std::uintptr_t>(end) + std::uintptr_t(past));
+        std::min(at + page_lead, reinterpret_cast<std::uintptr_t>(end) + std::uintptr_t(past));
     if (page <= at) page = (at | (kPage - 1)) + 1;
     for (; page < limit; page += kPage) prefetch_line(reinterpret_cast<const void*>(page));
   }
