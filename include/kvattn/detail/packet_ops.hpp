@@ -495,15 +495,15 @@ EIGEN_ALWAYS_INLINE void prefetch_line(const void* p) {
 /// loads behind them.
 ///
 /// With `touch` set, each step also touches the range's 4 KiB pages page_lead bytes
-/// (kPageLead unless set) ahead of its lines. The hardware stream prefetcher follows a stream
-/// within a 4 KiB page and starts on a page only after misses there, so line prefetches alone leave
-/// each page's stream to start 8 KiB (two pages) before the kernel reads it. One early
-/// touch per page starts it sooner: one core's GQA fp32 step 0.78-0.81 -> 0.92-1.03 of a
-/// plain read pass (L = 65536), MHA fp32 0.80-0.89 -> 1.05-1.23, bf16 GQA 0.67-0.86 ->
-/// 0.92-1.09, bf16 MHA 0.75-1.00 -> 0.97-1.20, LRKV fp32 0.64-0.69 -> 0.74-0.83, LRKV bf16
-/// 1.05-1.16x (cold caches on huge pages, AVX-512, steps alternating with read passes;
-/// docs/benchmarks.md). Opt-in, set where that was measured: not for MLA (compute-bound,
-/// no faster) nor for quantized rows (not measured).
+/// (kPageLead unless set) ahead of its lines. The hardware stream prefetcher follows a
+/// stream within a 4 KiB page and starts on a page only after misses there, so line
+/// prefetches alone leave each page's stream to start 8 KiB (two pages) before the
+/// kernel reads it. One early touch per page starts it sooner: one core's GQA fp32 step
+/// 0.78-0.81 -> 0.92-1.03 of a plain read pass (L = 65536), MHA fp32 0.80-0.89 ->
+/// 1.05-1.23, bf16 GQA 0.67-0.86 -> 0.92-1.09, bf16 MHA 0.75-1.00 -> 0.97-1.20, LRKV fp32
+/// 0.64-0.69 -> 0.74-0.83, LRKV bf16 1.05-1.16x (cold caches on huge pages, AVX-512, steps
+/// alternating with read passes; docs/benchmarks.md). Opt-in, set where that was
+/// measured: not for MLA (compute-bound, no faster) nor for quantized rows (not measured).
 struct Prefetcher {
   const char* next = nullptr;
   const char* end = nullptr;
