@@ -880,7 +880,7 @@ class LrkvLayer {
       detail::Prefetcher values(prefetch ? cache.value_row(first) : nullptr,
                                 n * value_width * Index{sizeof(S)});
       values.touch = kTouchPages;
-      values.page_lead = kPageLead;
+      values.page_lead = kPageTouchLead;
       // q_h . k~_s,t for every head against the shared key (rows read by all heads) + q~_h .
       // r~_h,t, head h reading its own slice (seg = r), in one pass over each row ...
       if (!score_bf16_dot(rows, n, logits, ld, values)) {
@@ -927,7 +927,7 @@ class LrkvLayer {
       auto [keys_a, keys_b] = halves(ahead > 0 ? cache.key_row(first + n) : nullptr,
                                      ahead * key_width * Index{sizeof(S)}, rank > 0 ? 0.6 : 1.0);
       keys_a.touch = keys_b.touch = kTouchPages;
-      keys_a.page_lead = keys_b.page_lead = kPageLead;
+      keys_a.page_lead = keys_b.page_lead = kPageTouchLead;
       // (bf16 shared values are summed in pairs or by the dot kernel, each in its column
       // order, which the callers of split_attention restore.)
       if (!accumulate_bf16_dot(rows, n, weights, ld, acc, acc_stride, keys_a, spare)) {
@@ -958,7 +958,7 @@ class LrkvLayer {
     // from a stride; pages touched further ahead"): bf16 L = 65536 1.08-1.26x as fast
     // with 24 KiB, L = 16384 1.18x, two threads 1.17x; fp32 1.00-1.05x. 16 KiB did less,
     // 32 about the same, 64 less; touching past the tile's end (touch_past) was slower.
-    static constexpr Index kPageLead = 24 * 1024;
+    static constexpr Index kPageTouchLead = 24 * 1024;
 
     // With the rounded queries (DecodeArithmetic::bf16_dot on a bf16 cache): the tile's
     // logits, shared and residual parts, by vdpbf16ps; false (nothing done) otherwise.

@@ -57,6 +57,9 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
   constexpr int TB = P >= 8 ? 8 : static_cast<int>(P);
   const Index full = r / P * P;
   const Index skip = full < r ? P - (r - full) : 0;
+  // The last packet of a slice ends at the slice's end: `back` bytes from where the
+  // full packets leave the rows; its first `skip` lanes, already summed, are zeroed.
+  const Index back = (r - P - full) * Index(sizeof(S));
   const Index row_bytes = stride * Index(sizeof(S));
 #if defined(EIGEN_VECTORIZE_AVX512)
   constexpr bool key_pairs = std::is_same_v<S, Eigen::bfloat16> && std::is_same_v<T, float>;
@@ -168,9 +171,6 @@ void lrkv_score(const T* query_t, Index hp, const T* query_latent, Index H, Inde
               }
             }
             if (skip > 0) {
-              // The last packet of the slice ends at its end; its first `skip` lanes,
-              // already summed, are zeroed.
-              const Index back = (r - P - full) * Index(sizeof(S));
               const Pk qj = ei::ploadu<Pk>(q + r - P);
               KVATTN_UNROLL
               for (int b = 0; b < P; ++b) {
