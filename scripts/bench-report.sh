@@ -5,6 +5,7 @@
 #
 #   ./scripts/bench-report.sh [--build-dir DIR] [--filter REGEX] [--min-time S]
 #                             [--repetitions N] [--json FILE] [--from-json FILE]
+#                             [--llc SIZE]
 #
 #   --build-dir DIR   build tree (default build/release, the preset's own)
 #   --filter REGEX    only the benchmarks matching REGEX (--benchmark_filter)
@@ -12,6 +13,8 @@
 #   --repetitions N   run each benchmark N times; the report uses the medians
 #   --json FILE       where the benchmark JSON goes (default <build dir>/bench-results.json)
 #   --from-json FILE  build and run nothing: write the report from an existing JSON file
+#   --llc SIZE        last-level cache size (e.g. 32MiB) for the vs_naive targets, where
+#                     the host reports no caches to Google Benchmark (some VMs do not)
 #
 # Installs missing Debian packages first (scripts/install-deps.sh), including
 # python3-matplotlib for the plots. A `## Notes` section already in
@@ -19,7 +22,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '6,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '6,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 die_usage() {
@@ -53,6 +56,7 @@ min_time=""
 repetitions=""
 json=""
 from_json=""
+llc=""
 
 while [[ $# -gt 0 ]]; do
   flag="$1"
@@ -70,7 +74,7 @@ while [[ $# -gt 0 ]]; do
       usage
       exit 0
       ;;
-    --build-dir | --filter | --min-time | --repetitions | --json | --from-json)
+    --build-dir | --filter | --min-time | --repetitions | --json | --from-json | --llc)
       if [[ $has_value -eq 0 ]]; then
         [[ $# -ge 2 ]] || die_usage "$flag needs a value"
         value="$2"
@@ -92,6 +96,11 @@ while [[ $# -gt 0 ]]; do
           ;;
         --json) json="$(absolute "$value")" ;;
         --from-json) from_json="$(absolute "$value")" ;;
+        --llc)
+          [[ "$value" =~ ^[0-9]+(\.[0-9]+)?[KMGkmg]?(i?[Bb])?$ ]] ||
+            die_usage "--llc takes a size such as 32MiB or 33554432, not '$value'"
+          llc="$value"
+          ;;
       esac
       ;;
     *)
@@ -163,5 +172,7 @@ else
   commands+=(--command "$shown")
 fi
 
+report_args=("${commands[@]}")
+[[ -n "$llc" ]] && report_args+=(--llc "$llc")
 "$python" scripts/bench_report.py "$json" --out docs/benchmarks.md --plots docs/bench \
-  "${commands[@]}"
+  "${report_args[@]}"

@@ -336,7 +336,7 @@ def table(header, rows, align):
 # The report
 
 
-def describe_context(context, entries, commands, json_path):
+def describe_context(context, entries, commands, json_path, llc=None):
     lines = []
     date = context.get("date", DASH)
     host = context.get("host_name", DASH)
@@ -358,7 +358,13 @@ def describe_context(context, entries, commands, json_path):
                  + (f"`{isa}`" if isa else "not recorded (a kvattn_bench without simd_level)"))
     lines.append(f"- **Host:** {host}")
     lines.append(f"- **CPU:** {cpu_text}")
-    lines.append(f"- **Caches:** {', '.join(caches) if caches else DASH}")
+    if caches:
+        lines.append(f"- **Caches:** {', '.join(caches)}")
+    elif llc is not None:
+        lines.append(f"- **Caches:** {DASH} (none reported; the last-level cache taken as "
+                     f"{fmt_bytes(llc)}, `--llc`)")
+    else:
+        lines.append(f"- **Caches:** {DASH}")
     load_avg = context.get("load_avg")
     if load_avg:
         lines.append("- **Load average at start:** "
@@ -538,14 +544,24 @@ def ratio_target(index, label, num_key, den_key, goal):
     return at_least(label, value, goal, note, fmt=fmt_ratio)
 
 
-def last_level_cache(context):
-    """Bytes of the largest (last-level) cache in the JSON context, or None."""
+def last_level_cache(context, given=None):
+    """Bytes of the largest (last-level) cache in the JSON context; where the context has
+    none (some VMs report no caches to Google Benchmark), `given` (--llc), else None."""
     sizes = [_num(c.get("size")) for c in context.get("caches", []) or []]
     sizes = [x for x in sizes if x]
-    return max(sizes) if sizes else None
+    return max(sizes) if sizes else given
 
 
-def evaluate_targets(entries, index, context=None):
+def parse_size(text):
+    """Bytes from '33554432', '32MiB', '32M', '48KiB' (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 32MiB)")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+def evaluate_targets(entries, index, context=None, llc_given=None):
     targets = []
     big = 65536
     t_all = largest_T(entries, "decode", big)
@@ -605,7 +621,11 @@ def evaluate_targets(entries, index, context=None):
     else:
         targets.append(Target("b) min vs_naive over every `decode/` row, L >= 1024", "≥ 1.00×",
                               None, None, "", "no `vs_naive` counter in this run"))
-    llc = last_level_cache(context or {})
+    llc = last_level_cache(context or {}, llc_given)
+    if llc is None and any(e.mech in NAIVE_RE_READS for e in rows):
+        targets.append(Target("b) `vs_naive` where a block does not fit the LLC", "≥ 1.50×", None,
+                              None, "", "the run reported no cache sizes: rerun the report "
+                              "with --llc SIZE", fmt=fmt_ratio))
     for e in sorted(rows, key=lambda e: (mech_sort_key(e.mech), e.L, e.T)):
         block = e.counter("block_bytes")
         if e.mech not in NAIVE_RE_READS or block is None or llc is None or block <= llc:
@@ -906,7 +926,8 @@ def make_plots(entries, index, plots_dir):
 # --------------------------------------------------------------------------
 
 
-def build_report(json_path, context, entries, errors, commands, plots, plot_rel, notes):
+def build_report(json_path, context, entries, errors, commands, plots, plot_rel, notes,
+                 llc=None):
     index = {}
     for e in entries:
         if e.parsed:
@@ -918,11 +939,11 @@ def build_report(json_path, context, entries, errors, commands, plots, plot_rel,
         "     hand except the Notes section at the end, which regenerating keeps. -->",
         "",
     ]
-    lines += describe_context(context, entries, commands, json_path)
+    lines += describe_context(context, entries, commands, json_path, llc)
     lines.append("")
     lines += HOW_TO_READ.splitlines()
     lines.append("")
-    lines += targets_section(evaluate_targets(entries, index, context))
+    lines += targets_section(evaluate_targets(entries, index, context, llc))
     if plots:
         lines += ["## Plots", ""]
         if "decode_time.svg" in plots:
@@ -959,6 +980,9 @@ def main(argv=None):
     parser.add_argument("--command", action="append", default=[],
                         help="command line that produced the JSON, shown in the report "
                              "(repeatable, one line each)")
+    parser.add_argument("--llc", type=parse_size, metavar="SIZE",
+                        help="last-level cache size (e.g. 32MiB) for the vs_naive >= 1.5 "
+                             "targets, used only when the JSON context reports no caches")
     args = parser.parse_args(argv)
 
     try:
@@ -978,7 +1002,7 @@ def main(argv=None):
 
     notes = read_notes(args.out)
     report = build_report(args.json, context, entries, errors, args.command, plots,
-                          plot_rel, notes)
+                          plot_rel, notes, args.llc)
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".benchmarks.", suffix=".md")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
