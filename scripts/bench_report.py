@@ -3,7 +3,7 @@
 
     python3 scripts/bench_report.py RESULTS.json \\
         [--out docs/benchmarks.md] [--plots docs/bench | --no-plots] \\
-        [--command "CMD"]...
+        [--command "CMD"]... [--llc SIZE]
 
 Reads the JSON that `kvattn_bench --benchmark_out=RESULTS.json
 --benchmark_out_format=json` writes and writes one markdown report: the run's
@@ -22,7 +22,9 @@ decode_precached, decode_expanded, layer_decode, prefill, and `ref/...` for refe
 (appendix only). Counters read from each entry: bytes_per_second, flops, bytes,
 cache_bytes, block_bytes, bw_ref, flop_ref, roofline_frac, vs_naive. Any of them
 may be missing ("–"). The context's `simd_level` (kvattn::simd_level(), added by
-kvattn_bench) names the instruction set the kernels were compiled for.
+kvattn_bench) names the instruction set the kernels were compiled for. The
+context's caches give the last-level cache size the `vs_naive >= 1.5` targets need;
+--llc SIZE (e.g. 32MiB) stands in where a host reports none.
 
 Standard library only, plus matplotlib for the plots (Debian:
 python3-matplotlib), imported only when plots are requested.
