@@ -1,0 +1,74 @@
+"""scripts/bench_report.py's last-level-cache handling (--llc), on a hand-written JSON.
+
+The fixture has one GQA decode row whose block (64 MiB) exceeds a 32 MiB cache and one
+whose block (16 MiB) does not, vs_naive 2.0 and 0.9, and a context without caches (as
+some VMs report). Expected lines are worked out from those numbers by hand.
+"""
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "..", "scripts", "bench_report.py")
+spec = importlib.util.spec_from_file_location("bench_report", SCRIPT)
+bench_report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_report)
+
+MIB = 1 << 20
+
+
+def row(name, block_bytes, vs_naive):
+    return {"name": name + "/real_time", "run_name": name + "/real_time",
+            "run_type": "iteration", "iterations": 1, "real_time": 1000.0,
+            "time_unit": "us", "block_bytes": block_bytes, "vs_naive": vs_naive}
+
+
+class LlcTest(unittest.TestCase):
+    def report(self, context, *extra):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "results.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"context": context, "benchmarks": [
+                    row("decode/gqa/L:65536/T:1", 64 * MIB, 2.0),
+                    row("decode/gqa/L:16384/T:1", 16 * MIB, 0.9)]}, f)
+            out = os.path.join(tmp, "benchmarks.md")
+            bench_report.main([path, "--out", out, "--no-plots", *extra])
+            with open(out, encoding="utf-8") as f:
+                return f.read()
+
+    def test_sizes(self):
+        self.assertEqual(bench_report.parse_size("32MiB"), 33554432)
+        self.assertEqual(bench_report.parse_size("48KiB"), 49152)
+        self.assertEqual(bench_report.parse_size("1G"), 1073741824)
+        self.assertEqual(bench_report.parse_size("33554432"), 33554432)
+        with self.assertRaises(Exception):
+            bench_report.parse_size("32Q")
+
+    def test_no_caches_and_no_llc_is_not_measured(self):
+        text = self.report({})
+        self.assertIn("| b) `vs_naive` where a block does not fit the LLC | – | ≥ 1.50× | "
+                      "not measured |", text)
+        self.assertNotIn("> LLC)", text)
+        self.assertIn("- **Caches:** –\n", text)
+
+    def test_llc_given(self):
+        text = self.report({}, "--llc", "32MiB")
+        self.assertIn("| b) `decode/gqa` L=65536 T=1 vs_naive (block 64 MiB > LLC) | 2.00× | "
+                      "≥ 1.50× | **PASS** |", text)
+        self.assertNotIn("L=16384 T=1 vs_naive (block", text)  # 16 MiB fits 32 MiB
+        self.assertNotIn("where a block does not fit the LLC", text)
+        self.assertIn("the last-level cache taken as 32 MiB, `--llc`", text)
+
+    def test_context_caches_win_over_llc(self):
+        context = {"caches": [{"type": "Unified", "level": 3, "size": 128 * MIB,
+                               "num_sharing": 2}]}
+        text = self.report(context, "--llc", "32MiB")
+        self.assertNotIn("> LLC)", text)  # 64 MiB fits the reported 128 MiB
+        self.assertNotIn("`--llc`", text)
+
+
+if __name__ == "__main__":
+    sys.exit(unittest.main())
