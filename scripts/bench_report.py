@@ -161,12 +161,12 @@ class Entry:
         value = self.counter("roofline_frac")
         if value is not None:
             return value
-        terms = self._bound_terms()
+        terms = self.bound_terms()
         if terms is None or not self.time:
             return None
         return max(terms) / self.time
 
-    def _bound_terms(self):
+    def bound_terms(self):
         """(memory seconds, compute seconds) at the reference rates."""
         nbytes, bw_ref = self.counter("bytes"), self.counter("bw_ref")
         flops, flop_ref = self.counter("flops"), self.counter("flop_ref")
@@ -175,7 +175,7 @@ class Entry:
         return nbytes / bw_ref, flops / flop_ref
 
     def bound(self):
-        terms = self._bound_terms()
+        terms = self.bound_terms()
         if terms is None:
             return None
         return "memory" if terms[0] >= terms[1] else "compute"
@@ -425,6 +425,11 @@ HOW_TO_READ = """\
 - **speedup vs expanded** = time(`decode_expanded`, same mechanism, L, T) / time of
   the row: how much the factored (compact-cache) path saves over expanding every
   head's K and V and recomputing.
+- **arithmetic at `flop_ref`** (the note of each memory-bound mechanism's
+  `roofline_frac` target) = (flops / flop_ref) / (bytes / bw_ref): the time the step's
+  arithmetic alone would take at the dense GEMM's rate, as a fraction of its memory
+  time. Near 1, the step can reach its memory bound only by doing its arithmetic at
+  nearly the GEMM's rate while it streams.
 - A `–` means the benchmark did not report what that column needs.
 """
 
@@ -540,6 +545,18 @@ def why_missing(index, keys, counters=()):
     return "; ".join(lacking)
 
 
+def arithmetic_note(entry):
+    """For a memory-bound row: how long its arithmetic alone takes at `flop_ref`, as a
+    fraction of its memory time (bytes / bw_ref). Near 1 the step has to run its
+    arithmetic at nearly the GEMM's rate while it streams, which a decode kernel does not:
+    where a memory-bound target is missed, this says whether the core's arithmetic, not
+    the memory, is in the way."""
+    terms = entry.bound_terms()
+    if terms is None or not terms[0]:
+        return ""
+    return f"arithmetic at `flop_ref`: {terms[1] / terms[0]:.2f} of the memory time"
+
+
 def ratio_target(index, label, num_key, den_key, goal):
     value = time_ratio(index, num_key, den_key)
     note = why_missing(index, [num_key, den_key]) if value is None else ""
@@ -580,6 +597,8 @@ def evaluate_targets(entries, index, context=None, llc_given=None):
         e = index.get(key)
         value = e.roofline_frac() if e else None
         note = why_missing(index, [key], ["roofline_frac"]) if value is None else ""
+        if value is not None and key[1] in MEMORY_BOUND:
+            note = arithmetic_note(e)
         return at_least(label, value, goal, note)
 
     # a) roofline: memory-bound mechanisms >= 0.85 with one thread, >= 0.80 with all;

@@ -1,7 +1,8 @@
-"""scripts/bench_report.py's last-level-cache handling (--llc), on a hand-written JSON.
+"""scripts/bench_report.py on hand-written JSON: its last-level-cache handling (--llc)
+and the arithmetic note on memory-bound roofline targets.
 
-The fixture has one GQA decode row whose block (64 MiB) exceeds a 32 MiB cache and one
-whose block (16 MiB) does not, vs_naive 2.0 and 0.9, and a context without caches (as
+The --llc fixture has one GQA decode row whose block (64 MiB) exceeds a 32 MiB cache and
+one whose block (16 MiB) does not, vs_naive 2.0 and 0.9, and a context without caches (as
 some VMs report). Expected lines are worked out from those numbers by hand.
 """
 import importlib.util
@@ -68,6 +69,29 @@ class LlcTest(unittest.TestCase):
         text = self.report(context, "--llc", "32MiB")
         self.assertNotIn("> LLC)", text)  # 64 MiB fits the reported 128 MiB
         self.assertNotIn("`--llc`", text)
+
+
+class ArithmeticNoteTest(unittest.TestCase):
+    """One bf16 LRKV row: 1e6 bytes at bw_ref 1e9 B/s (1 ms of memory), 8e7 FLOPs at
+    flop_ref 1e11 FLOP/s (0.8 ms of arithmetic), 2 ms per step: roofline_frac 1 / 2 =
+    0.50, short of 0.85 by 0.35 (41%), the arithmetic 0.8 / 1 = 0.80 of the memory time."""
+
+    def test_memory_bound_miss_names_the_arithmetic(self):
+        entry = {"name": "decode_bf16/lrkv/L:16384/T:1/real_time",
+                 "run_name": "decode_bf16/lrkv/L:16384/T:1/real_time", "run_type": "iteration",
+                 "iterations": 1, "real_time": 2000.0, "time_unit": "us", "bytes": 1e6,
+                 "bw_ref": 1e9, "flops": 8e7, "flop_ref": 1e11}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "results.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"context": {}, "benchmarks": [entry]}, f)
+            out = os.path.join(tmp, "benchmarks.md")
+            bench_report.main([path, "--out", out, "--no-plots"])
+            with open(out, encoding="utf-8") as f:
+                text = f.read()
+        self.assertIn("| a) `decode_bf16/lrkv` L=16384 T=1 roofline_frac | 0.50 | ≥ 0.85 | "
+                      "**MISS** | short by 0.35 (41% below) | arithmetic at `flop_ref`: 0.80 "
+                      "of the memory time |", text)
 
 
 if __name__ == "__main__":
