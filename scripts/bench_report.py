@@ -112,10 +112,11 @@ TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 class Entry:
     """One benchmark (one name), after choosing the median or the run."""
 
-    def __init__(self, name, raw, statistic):
+    def __init__(self, name, raw, statistic, repetitions=()):
         self.name = name
         self.raw = raw
         self.statistic = statistic  # "median of N", "single run", ...
+        self.repetitions = list(repetitions)  # the per-repetition runs, when there are several
         self.family = None
         self.mech = None
         self.L = None
@@ -156,6 +157,12 @@ class Entry:
 
     def counter(self, name):
         return _num(self.counters.get(name))
+
+    def repetition_range(self, name):
+        """(lowest, highest) of a counter over the repetitions, or None with fewer than 2."""
+        values = [_num(r.get(name)) for r in self.repetitions]
+        values = [v for v in values if v is not None]
+        return (min(values), max(values)) if len(values) >= 2 else None
 
     def roofline_frac(self):
         value = self.counter("roofline_frac")
@@ -241,13 +248,13 @@ def load(path):
         if group["median"] is not None:
             raw = group["median"]
             n = raw.get("repetitions") or reps
-            entries.append(Entry(run, raw, f"median of {n}" if n else "median"))
+            entries.append(Entry(run, raw, f"median of {n}" if n else "median", group["iters"]))
         elif group["iters"]:
             if len(group["iters"]) == 1:
                 entries.append(Entry(run, group["iters"][0], "single run"))
             else:
                 raw = _median_entry(group["iters"])
-                entries.append(Entry(run, raw, f"median of {reps} (computed)"))
+                entries.append(Entry(run, raw, f"median of {reps} (computed)", group["iters"]))
         elif group["mean"] is not None:
             raw = group["mean"]
             entries.append(Entry(run, raw, "mean"))
@@ -429,7 +436,8 @@ HOW_TO_READ = """\
   `roofline_frac` target) = (flops / flop_ref) / (bytes / bw_ref): the time the step's
   arithmetic alone would take at the dense GEMM's rate, as a fraction of its memory
   time. Near 1, the step can reach its memory bound only by doing its arithmetic at
-  nearly the GEMM's rate while it streams.
+  nearly the GEMM's rate while it streams. Beside it, the lowest and highest `bw_ref`
+  of the row's repetitions: how far the host's memory moved while the row ran.
 - A `–` means the benchmark did not report what that column needs.
 """
 
@@ -547,14 +555,19 @@ def why_missing(index, keys, counters=()):
 
 def arithmetic_note(entry):
     """For a memory-bound row: how long its arithmetic alone takes at `flop_ref`, as a
-    fraction of its memory time (bytes / bw_ref). Near 1 the step has to run its
-    arithmetic at nearly the GEMM's rate while it streams, which a decode kernel does not:
-    where a memory-bound target is missed, this says whether the core's arithmetic, not
-    the memory, is in the way."""
+    fraction of its memory time (bytes / bw_ref), and the range of `bw_ref` over the
+    repetitions. Near 1 the step has to run its arithmetic at nearly the GEMM's rate while
+    it streams, which a decode kernel does not; a wide range says the host's memory moved
+    during the row. Where a memory-bound target is missed, these say which was in the way."""
+    notes = []
     terms = entry.bound_terms()
-    if terms is None or not terms[0]:
-        return ""
-    return f"arithmetic at `flop_ref`: {terms[1] / terms[0]:.2f} of the memory time"
+    if terms is not None and terms[0]:
+        notes.append(f"arithmetic at `flop_ref`: {terms[1] / terms[0]:.2f} of the memory time")
+    bw = entry.repetition_range("bw_ref")
+    if bw is not None:
+        notes.append(f"`bw_ref` {bw[0] / 1e9:.1f}-{bw[1] / 1e9:.1f} GB/s over "
+                     f"{len(entry.repetitions)} repetitions")
+    return "; ".join(notes)
 
 
 def ratio_target(index, label, num_key, den_key, goal):

@@ -1,5 +1,5 @@
 """scripts/bench_report.py on hand-written JSON: its last-level-cache handling (--llc)
-and the arithmetic note on memory-bound roofline targets.
+and the note on memory-bound roofline targets (arithmetic share, bw_ref range).
 
 The --llc fixture has one GQA decode row whose block (64 MiB) exceeds a 32 MiB cache and
 one whose block (16 MiB) does not, vs_naive 2.0 and 0.9, and a context without caches (as
@@ -72,7 +72,7 @@ class LlcTest(unittest.TestCase):
 
 
 class ArithmeticNoteTest(unittest.TestCase):
-    """One bf16 LRKV row: 1e6 bytes at bw_ref 1e9 B/s (1 ms of memory), 8e7 FLOPs at
+    """The note on memory-bound roofline targets. One bf16 LRKV row: 1e6 bytes at bw_ref 1e9 B/s (1 ms of memory), 8e7 FLOPs at
     flop_ref 1e11 FLOP/s (0.8 ms of arithmetic), 2 ms per step: roofline_frac 1 / 2 =
     0.50, short of 0.85 by 0.35 (41%), the arithmetic 0.8 / 1 = 0.80 of the memory time."""
 
@@ -92,6 +92,32 @@ class ArithmeticNoteTest(unittest.TestCase):
         self.assertIn("| a) `decode_bf16/lrkv` L=16384 T=1 roofline_frac | 0.50 | ≥ 0.85 | "
                       "**MISS** | short by 0.35 (41% below) | arithmetic at `flop_ref`: 0.80 "
                       "of the memory time |", text)
+
+    def test_repetitions_give_the_bw_ref_range(self):
+        """Two repetitions with bw_ref 2e10 and 3e10 B/s and their median aggregate (bw_ref
+        2.5e10: 1e6 bytes take 40 us; 2e6 FLOPs at 1e11 FLOP/s 20 us; 50 us per step):
+        roofline_frac 0.80, short of 0.85 by 0.05 (6%), the arithmetic 0.50 of the memory
+        time, bw_ref 20.0-30.0 GB/s."""
+        name = "decode/lrkv/L:65536/T:1/real_time"
+        def run(bw_ref, **kind):
+            return {"name": name, "run_name": name, "iterations": 1, "real_time": 50.0,
+                    "time_unit": "us", "bytes": 1e6, "bw_ref": bw_ref, "flops": 2e6,
+                    "flop_ref": 1e11, "repetitions": 2, **kind}
+        benchmarks = [run(2e10, run_type="iteration", repetition_index=0),
+                      run(3e10, run_type="iteration", repetition_index=1),
+                      dict(run(2.5e10, run_type="aggregate", aggregate_name="median"),
+                           name=name + "_median")]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "results.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"context": {}, "benchmarks": benchmarks}, f)
+            out = os.path.join(tmp, "benchmarks.md")
+            bench_report.main([path, "--out", out, "--no-plots"])
+            with open(out, encoding="utf-8") as f:
+                text = f.read()
+        self.assertIn("| a) `decode/lrkv` L=65536 T=1 roofline_frac | 0.80 | ≥ 0.85 | **MISS** | "
+                      "short by 0.05 (6% below) | arithmetic at `flop_ref`: 0.50 of the memory "
+                      "time; `bw_ref` 20.0-30.0 GB/s over 2 repetitions |", text)
 
 
 if __name__ == "__main__":
