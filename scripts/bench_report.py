@@ -557,8 +557,9 @@ def arithmetic_note(entry):
     """For a memory-bound row: how long its arithmetic alone takes at `flop_ref`, as a
     fraction of its memory time (bytes / bw_ref), and the range of `bw_ref` over the
     repetitions. Near 1 the step has to run its arithmetic at nearly the GEMM's rate while
-    it streams, which a decode kernel does not; a wide range says the host's memory moved
-    during the row. Where a memory-bound target is missed, these say which was in the way."""
+    it streams; a wide range says the host's memory moved during the row. Both are context
+    for a miss, not its proof: LRKV's bf16 step is no faster with a third less arithmetic
+    (docs/benchmarks.md, Notes)."""
     notes = []
     terms = entry.bound_terms()
     if terms is not None and terms[0]:
