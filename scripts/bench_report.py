@@ -436,8 +436,9 @@ HOW_TO_READ = """\
   `roofline_frac` target) = (flops / flop_ref) / (bytes / bw_ref): the time the step's
   arithmetic alone would take at the dense GEMM's rate, as a fraction of its memory
   time. Near 1, the step can reach its memory bound only by doing its arithmetic at
-  nearly the GEMM's rate while it streams. Beside it, the lowest and highest `bw_ref`
-  of the row's repetitions: how far the host's memory moved while the row ran.
+  nearly the GEMM's rate while it streams (context for a miss, not its cause: see the
+  Notes). Beside it, the lowest and highest `bw_ref` of the row's repetitions: how far
+  the host's memory moved while the row ran.
 - A `–` means the benchmark did not report what that column needs.
 """
 

@@ -27,18 +27,22 @@ def row(name, block_bytes, vs_naive):
             "time_unit": "us", "block_bytes": block_bytes, "vs_naive": vs_naive}
 
 
+def report_text(context, benchmarks, *extra):
+    """The report bench_report.py writes for a JSON of these benchmarks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "results.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"context": context, "benchmarks": benchmarks}, f)
+        out = os.path.join(tmp, "benchmarks.md")
+        bench_report.main([path, "--out", out, "--no-plots", *extra])
+        with open(out, encoding="utf-8") as f:
+            return f.read()
+
+
 class LlcTest(unittest.TestCase):
     def report(self, context, *extra):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "results.json")
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump({"context": context, "benchmarks": [
-                    row("decode/gqa/L:65536/T:1", 64 * MIB, 2.0),
-                    row("decode/gqa/L:16384/T:1", 16 * MIB, 0.9)]}, f)
-            out = os.path.join(tmp, "benchmarks.md")
-            bench_report.main([path, "--out", out, "--no-plots", *extra])
-            with open(out, encoding="utf-8") as f:
-                return f.read()
+        return report_text(context, [row("decode/gqa/L:65536/T:1", 64 * MIB, 2.0),
+                                     row("decode/gqa/L:16384/T:1", 16 * MIB, 0.9)], *extra)
 
     def test_sizes(self):
         self.assertEqual(bench_report.parse_size("32MiB"), 33554432)
@@ -72,23 +76,18 @@ class LlcTest(unittest.TestCase):
 
 
 class ArithmeticNoteTest(unittest.TestCase):
-    """The note on memory-bound roofline targets. One bf16 LRKV row: 1e6 bytes at bw_ref 1e9 B/s (1 ms of memory), 8e7 FLOPs at
-    flop_ref 1e11 FLOP/s (0.8 ms of arithmetic), 2 ms per step: roofline_frac 1 / 2 =
-    0.50, short of 0.85 by 0.35 (41%), the arithmetic 0.8 / 1 = 0.80 of the memory time."""
+    """The note on memory-bound roofline targets."""
 
     def test_memory_bound_miss_names_the_arithmetic(self):
-        entry = {"name": "decode_bf16/lrkv/L:16384/T:1/real_time",
-                 "run_name": "decode_bf16/lrkv/L:16384/T:1/real_time", "run_type": "iteration",
-                 "iterations": 1, "real_time": 2000.0, "time_unit": "us", "bytes": 1e6,
-                 "bw_ref": 1e9, "flops": 8e7, "flop_ref": 1e11}
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "results.json")
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump({"context": {}, "benchmarks": [entry]}, f)
-            out = os.path.join(tmp, "benchmarks.md")
-            bench_report.main([path, "--out", out, "--no-plots"])
-            with open(out, encoding="utf-8") as f:
-                text = f.read()
+        """One bf16 LRKV row: 1e6 bytes at bw_ref 1e9 B/s (1 ms of memory), 8e7 FLOPs at
+        flop_ref 1e11 FLOP/s (0.8 ms of arithmetic), 2 ms per step: roofline_frac 1 / 2 =
+        0.50, short of 0.85 by 0.35 (41%), the arithmetic 0.8 / 1 = 0.80 of the memory
+        time; a single run, so no bw_ref range."""
+        name = "decode_bf16/lrkv/L:16384/T:1/real_time"
+        entry = {"name": name, "run_name": name, "run_type": "iteration", "iterations": 1,
+                 "real_time": 2000.0, "time_unit": "us", "bytes": 1e6, "bw_ref": 1e9,
+                 "flops": 8e7, "flop_ref": 1e11}
+        text = report_text({}, [entry])
         self.assertIn("| a) `decode_bf16/lrkv` L=16384 T=1 roofline_frac | 0.50 | ≥ 0.85 | "
                       "**MISS** | short by 0.35 (41% below) | arithmetic at `flop_ref`: 0.80 "
                       "of the memory time |", text)
@@ -99,22 +98,16 @@ class ArithmeticNoteTest(unittest.TestCase):
         roofline_frac 0.80, short of 0.85 by 0.05 (6%), the arithmetic 0.50 of the memory
         time, bw_ref 20.0-30.0 GB/s."""
         name = "decode/lrkv/L:65536/T:1/real_time"
+
         def run(bw_ref, **kind):
             return {"name": name, "run_name": name, "iterations": 1, "real_time": 50.0,
                     "time_unit": "us", "bytes": 1e6, "bw_ref": bw_ref, "flops": 2e6,
                     "flop_ref": 1e11, "repetitions": 2, **kind}
-        benchmarks = [run(2e10, run_type="iteration", repetition_index=0),
-                      run(3e10, run_type="iteration", repetition_index=1),
-                      dict(run(2.5e10, run_type="aggregate", aggregate_name="median"),
-                           name=name + "_median")]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "results.json")
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump({"context": {}, "benchmarks": benchmarks}, f)
-            out = os.path.join(tmp, "benchmarks.md")
-            bench_report.main([path, "--out", out, "--no-plots"])
-            with open(out, encoding="utf-8") as f:
-                text = f.read()
+
+        text = report_text({}, [run(2e10, run_type="iteration", repetition_index=0),
+                                run(3e10, run_type="iteration", repetition_index=1),
+                                dict(run(2.5e10, run_type="aggregate", aggregate_name="median"),
+                                     name=name + "_median")])
         self.assertIn("| a) `decode/lrkv` L=65536 T=1 roofline_frac | 0.80 | ≥ 0.85 | **MISS** | "
                       "short by 0.05 (6% below) | arithmetic at `flop_ref`: 0.50 of the memory "
                       "time; `bw_ref` 20.0-30.0 GB/s over 2 repetitions |", text)
