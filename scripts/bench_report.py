@@ -611,9 +611,10 @@ def evaluate_targets(entries, index, context=None, llc_given=None):
     def frac_target(label, key, goal):
         e = index.get(key)
         value = e.roofline_frac() if e else None
-        note = why_missing(index, [key], ["roofline_frac"]) if value is None else ""
-        if value is not None and key[1] in MEMORY_BOUND:
-            note = arithmetic_note(e)
+        if value is None:
+            note = why_missing(index, [key], ["roofline_frac"])
+        else:
+            note = arithmetic_note(e) if key[1] in MEMORY_BOUND else ""
         return at_least(label, value, goal, note)
 
     # a) roofline: memory-bound mechanisms >= 0.85 with one thread, >= 0.80 with all;

@@ -49,7 +49,7 @@ class LlcTest(unittest.TestCase):
         self.assertEqual(bench_report.parse_size("48KiB"), 49152)
         self.assertEqual(bench_report.parse_size("1G"), 1073741824)
         self.assertEqual(bench_report.parse_size("33554432"), 33554432)
-        with self.assertRaises(Exception):
+        with self.assertRaises(bench_report.argparse.ArgumentTypeError):
             bench_report.parse_size("32Q")
 
     def test_no_caches_and_no_llc_is_not_measured(self):
