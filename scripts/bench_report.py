@@ -437,8 +437,9 @@ HOW_TO_READ = """\
   arithmetic alone would take at the dense GEMM's rate, as a fraction of its memory
   time. Near 1, the step can reach its memory bound only by doing its arithmetic at
   nearly the GEMM's rate while it streams (context for a miss, not its cause: see the
-  Notes). Beside it, the lowest and highest `bw_ref` of the row's repetitions: how far
-  the host's memory moved while the row ran.
+  Notes); above 1 the row is bound by its arithmetic (**bound** says `compute`) and its
+  `roofline_frac` compares it with the GEMM's rate. Beside it, the lowest and highest
+  `bw_ref` of the row's repetitions: how far the host's memory moved while the row ran.
 - A `–` means the benchmark did not report what that column needs.
 """
 
@@ -555,12 +556,9 @@ def why_missing(index, keys, counters=()):
 
 
 def arithmetic_note(entry):
-    """For a memory-bound row: how long its arithmetic alone takes at `flop_ref`, as a
-    fraction of its memory time (bytes / bw_ref), and the range of `bw_ref` over the
-    repetitions. Near 1 the step has to run its arithmetic at nearly the GEMM's rate while
-    it streams; a wide range says the host's memory moved during the row. Both are context
-    for a miss, not its proof: LRKV's bf16 step is no faster with a third less arithmetic
-    (docs/benchmarks.md, Notes)."""
+    """The note of a memory-bound mechanism's roofline target: its arithmetic's time at
+    `flop_ref` as a fraction of its memory time, and the range of `bw_ref` over the
+    repetitions (HOW_TO_READ explains both)."""
     notes = []
     terms = entry.bound_terms()
     if terms is not None and terms[0]:
