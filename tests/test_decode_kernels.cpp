@@ -309,23 +309,30 @@ TEST_CASE("bf16 rows read in pairs: paired queries and accumulators", "[kernels]
       const Index n = 29, ld = n + 3, stride = width + 16;
       const auto q = random_values<float>(G * width, 51);
       const auto k = random_values<Eigen::bfloat16>(n * stride, 52);
-      // Score: paired queries against the rows give q_i . k_t, summed in double here.
+      // Score: paired queries against the rows give q_i . k_t, summed in double here
+      // (with `add`, onto the -7 already there).
       auto q_paired = q;
       for (Index i = 0; i < G; ++i) detail::to_paired(q_paired.data() + i * width, width);
-      std::vector<float> got(static_cast<std::size_t>(G * ld), -7.0f);
-      detail::score_rows(q_paired.data(), width, G, width, k.data(), stride, 0, n, got.data(), ld,
-                         false, nullptr, nullptr, true);
-      for (Index i = 0; i < G; ++i) {
-        for (Index t = 0; t < n; ++t) {
-          double want = 0, scale = 0;
-          for (Index j = 0; j < width; ++j) {
-            const double term = double{q[static_cast<std::size_t>(i * width + j)]} *
-                                static_cast<double>(k[static_cast<std::size_t>(t * stride + j)]);
-            want += term;
-            scale += std::abs(term);
+      for (const bool add : {false, true}) {
+        std::vector<float> got(static_cast<std::size_t>(G * ld), -7.0f);
+        detail::score_rows(q_paired.data(), width, G, width, k.data(), stride, 0, n, got.data(), ld,
+                           add, nullptr, nullptr, true);
+        for (Index i = 0; i < G; ++i) {
+          for (Index t = 0; t < n; ++t) {
+            double want = add ? -7.0 : 0.0, scale = std::abs(want);
+            for (Index j = 0; j < width; ++j) {
+              const double term = double{q[static_cast<std::size_t>(i * width + j)]} *
+                                  static_cast<double>(k[static_cast<std::size_t>(t * stride + j)]);
+              want += term;
+              scale += std::abs(term);
+            }
+            CAPTURE(width, G, add, i, t);
+            REQUIRE(close(got[static_cast<std::size_t>(i * ld + t)], want, width, scale));
           }
-          CAPTURE(width, G, i, t);
-          REQUIRE(close(got[static_cast<std::size_t>(i * ld + t)], want, width, scale));
+          // The padding past the tile is not written.
+          for (Index t = n; t < ld; ++t) {
+            REQUIRE(got[static_cast<std::size_t>(i * ld + t)] == -7.0f);
+          }
         }
       }
       // Accumulate: a paired accumulator, put back in order, against the plain loop.

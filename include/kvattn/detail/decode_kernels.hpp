@@ -609,6 +609,20 @@ void score_rows_outer(const T* q, Index q_stride, Index G, Index dk, const S* k,
 // after the other as fast as the read pass where rows side by side took 1.3x as long.
 // Hot, both are slower than the blocks (score 10.4 against 9.0 ns per token, values 8.2-
 // 9.2 against 6.3), so they are for a decode step that streams its cache.
+//
+// The score takes the sums of four tokens together (fold_rows4 per token, then
+// sum_folded4: 16 sums from one in-block transpose instead of four lane reductions and
+// sixteen scalar stores). bf16 rows in pairs, 4 rows x 128, AVX-512 (Zen 5), one thread:
+// kernel-only, 64 tokens in L1, 6.3-6.6 ns per token against 7.6-8.0; the score pass of
+// 8 KV groups as gqa.hpp runs it (its prefetches, 1024-token tiles), 2 MiB of keys in
+// cache, 67.6-68.0 ns per token against 73-75, L = 16384 over cold caches 74-83 against
+// 79-99 (faster in 8 of 8 alternating pairs). The loop over the four tokens stays
+// rolled (KVATTN_NO_UNROLL): unrolled, GCC's kernel ran 6.0 ns per token hot, but its
+// cold score pass took 91-134 ns per token where the old kernel took 76-97; a loop of
+// two copies measured as the rolled one. Whole decode steps (GQA 32 x 128, 8 KV heads,
+// L = 16384, one thread, the old and new builds at the same time on the two cores, then
+// swapped): bf16 0.92-1.05 of the old step's time (median 0.96), fp32 0.70-0.93
+// (docs/benchmarks.md, "GQA's 4-row score").
 inline constexpr int kTokenRowsHeld = 24;  // packets of queries or accumulators held
 
 // Whether G rows of width `width` (dk or dv) against shared S rows take the two kernels
@@ -651,10 +665,10 @@ void score_rows4_by_token(const T* q, Index q_stride, const S* k, Index k_stride
   if (prefetch != nullptr) prefetch->plan(n);  // a step per token
   BlockPrefetcher blockwise(prefetch);
   prefetch = blockwise.get();
-  for (Index t = 0; t < n; ++t) {
+  // Token t's four dot products, each still spread over a packet's lanes.
+  auto products = [&](Index t, Packet<T>* acc) KVATTN_INLINE_LAMBDA {
     if (prefetch != nullptr) prefetch->step();
     const S* row = k + t * k_stride;
-    Packet<T> acc[4];
     KVATTN_UNROLL
     for (int m = 0; m < 4; ++m) acc[m] = ei::pset1<Packet<T>>(T(0));
     if constexpr (Paired) {
@@ -688,6 +702,32 @@ void score_rows4_by_token(const T* q, Index q_stride, const S* k, Index k_stride
         }
       }
     }
+  };
+  Index t = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    // Four tokens' sums taken together (sum_folded4), one 4-token piece of each logits
+    // row stored; the loop over the four stays rolled (see the comment above).
+    for (; t + 4 <= n; t += 4) {
+      __m512 folded[4];
+      KVATTN_NO_UNROLL
+      for (int b = 0; b < 4; ++b) {
+        Packet<T> acc[4];
+        products(t + b, acc);
+        folded[b] = fold_rows4(acc);
+      }
+      const __m512 sums = sum_folded4(folded);
+      const __m128 pieces[4] = {_mm512_castps512_ps128(sums), _mm512_extractf32x4_ps(sums, 1),
+                                _mm512_extractf32x4_ps(sums, 2), _mm512_extractf32x4_ps(sums, 3)};
+      KVATTN_UNROLL
+      for (int m = 0; m < 4; ++m) {
+        T* out = logits + m * ld + t;
+        _mm_storeu_ps(out, add ? _mm_add_ps(_mm_loadu_ps(out), pieces[m]) : pieces[m]);
+      }
+    }
+  }
+  for (; t < n; ++t) {
+    Packet<T> acc[4];
+    products(t, acc);
     T sums[4];
     sum_rows<T, 4>(acc, sums);
     KVATTN_UNROLL
