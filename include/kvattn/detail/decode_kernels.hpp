@@ -619,10 +619,8 @@ void score_rows_outer(const T* q, Index q_stride, Index G, Index dk, const S* k,
 // 79-99 (faster in 8 of 8 alternating pairs). The loop over the four tokens stays
 // rolled (KVATTN_NO_UNROLL): unrolled, GCC's kernel ran 6.0 ns per token hot, but its
 // cold score pass took 91-134 ns per token where the old kernel took 76-97; a loop of
-// two copies measured as the rolled one. Whole decode steps (GQA 32 x 128, 8 KV heads,
-// L = 16384, one thread, the old and new builds at the same time on the two cores, then
-// swapped): bf16 0.92-1.05 of the old step's time (median 0.96), fp32 0.70-0.93
-// (docs/benchmarks.md, "GQA's 4-row score").
+// two copies measured as the rolled one. Whole steps: docs/benchmarks.md, "GQA's 4-row
+// score".
 inline constexpr int kTokenRowsHeld = 24;  // packets of queries or accumulators held
 
 // Whether G rows of width `width` (dk or dv) against shared S rows take the two kernels
