@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the tests under AddressSanitizer + UndefinedBehaviorSanitizer and runs
-# them (the `sanitize` preset: Clang 14, -O1 -g1 with asserts on, build/sanitize).
+# them (the `sanitize` preset: Clang 14, -O0 -g1, the slowest tests -O1, asserts on,
+# build/sanitize).
 # Any sanitizer report fails its test.
 #
 #   ./scripts/sanitize.sh
