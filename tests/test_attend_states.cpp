@@ -6,6 +6,7 @@
 // prefill stores.
 #include <catch2/catch.hpp>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "attend_util.hpp"
@@ -156,6 +157,23 @@ void check_errors(const Layer& layer) {
   SoftmaxStates<double> states;
   const RowMatrix<double> query = RowMatrix<double>::Zero(1, layer.query_width());
   CHECK_THROWS_AS(layer.attend_states(query, -1, cache, states, ws), shape_error);
+  // Positions past 2^53 (where position_offset + position is no longer exact in double)
+  // are refused; INT64_MAX used to overflow position + 1 and give empty states.
+  constexpr Index max_position = Index{1} << 53;
+  for (const Index far : {max_position + 1, std::numeric_limits<Index>::max()}) {
+    CHECK_THROWS_WITH(layer.attend_states(query, far, cache, states, ws),
+                      Catch::Contains("position (" + std::to_string(far) + ")"));
+  }
+  // A zero query gives every logit 0 whatever its rotation, so each head's state sums
+  // exp(0) once per visible token: 1 at position 0, all 3 tokens at 2^53.
+  layer.attend_states(query, 0, cache, states, ws);
+  for (Index h = 0; h < states.rows(); ++h) CHECK(states.sum(h) == 1.0);
+  layer.attend_states(query, max_position, cache, states, ws);
+  REQUIRE(states.rows() == layer.config().n_heads);
+  for (Index h = 0; h < states.rows(); ++h) {
+    CHECK(states.max(h) == 0.0);
+    CHECK(states.sum(h) == 3.0);
+  }
   const RowMatrix<double> wide = RowMatrix<double>::Zero(1, layer.query_width() + 1);
   CHECK_THROWS_WITH(layer.attend_states(wide, 2, cache, states, ws), Catch::Contains("query"));
   // A cache with no token gives every head an empty state (a shard nothing was appended to).

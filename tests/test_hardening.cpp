@@ -10,15 +10,22 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kvattn/analysis/budget.hpp"
 #include "kvattn/analysis/cache_size.hpp"
+#include "kvattn/analysis/decode_cost.hpp"
 #include "kvattn/analysis/head_diversity.hpp"
+#include "kvattn/attention/attend_states.hpp"
 #include "kvattn/attention/gqa.hpp"
 #include "kvattn/attention/lrkv.hpp"
 #include "kvattn/attention/mla.hpp"
+#include "kvattn/core/quantized.hpp"
 #include "kvattn/core/rope.hpp"
+#include "kvattn/core/softmax_states.hpp"
 #include "kvattn/core/yarn.hpp"
+#include "kvattn/pooling/nv_embed_pooling.hpp"
 #include "test_util.hpp"
 
 using namespace kvattn;
@@ -262,4 +269,148 @@ TEST_CASE("an LRKV cache refuses a key RMS it cannot divide by", "[reliability][
   CHECK_NOTHROW(
       cache.append({shared, shared, latent, latent, none, RowMatrix<double>::Ones(1, 2)}));
   CHECK(cache.tokens() == 1);
+}
+
+// Public calls found unchecked in a review (2026-12-07): each read out of bounds or
+// overflowed on the input below, or threw a standard exception instead of kvattn's.
+TEST_CASE("cache views refuse a head or a row range the cache does not hold",
+          "[reliability][cache]") {
+  const GqaConfig gqa = gqa_config(8, 4, 2, 2);  // 4 query heads of width 2, 2 KV heads
+  GqaCache<double> cache(gqa);
+  cache.append(RowMatrix<double>::Ones(3, 4), RowMatrix<double>::Ones(3, 4));
+  for (const Index g : {Index{-1}, Index{2}}) {
+    CAPTURE(g);
+    CHECK_THROWS_WITH(cache.keys(g),
+                      Contains("GqaCache::keys") &&
+                          Contains("KV head g (" + std::to_string(g) + ") must be in [0, 2)"));
+    CHECK_THROWS_AS(cache.values(g), shape_error);
+  }
+  CHECK(cache.keys(1).rows() == 3);
+  GqaCache<float, Int8<2>> quantized(gqa);
+  quantized.append(RowMatrix<float>::Ones(1, 4), RowMatrix<float>::Ones(1, 4));
+  CHECK_THROWS_AS(quantized.keys(5), shape_error);
+  CHECK_THROWS_AS(quantized.values(-1), shape_error);
+
+  LrkvCache<double> lrkv(LrkvConfig{8, 2, 4, 2});
+  CHECK_THROWS_WITH(lrkv.residual_keys(2), Contains("head h (2) must be in [0, 2)"));
+  CHECK_THROWS_AS(lrkv.residual_values(-1), shape_error);
+  CHECK(lrkv.residual_keys(1).cols() == 2);
+
+  MlaConfig mla;
+  mla.d_model = 8;
+  mla.n_heads = 2;
+  mla.kv_rank = 4;
+  mla.qk_nope_dim = 2;
+  mla.rope_dim = 2;
+  mla.v_dim = 2;
+  mla.rope.layout = RopeLayout::interleaved;
+  MlaCache<double> latents(mla);
+  RowMatrix<double> rows(3, 6);
+  for (Index i = 0; i < rows.size(); ++i) rows.data()[i] = static_cast<double>(i);
+  latents.append(rows.leftCols(4), rows.rightCols(2));
+  for (const auto& [first, count] :
+       {std::pair<Index, Index>{0, 4}, {-1, 1}, {1, -1}, {3, 1}, {2, 2}}) {
+    CAPTURE(first, count);
+    CHECK_THROWS_WITH(latents.rows(first, count),
+                      Contains("MlaCache::rows") && Contains("3 cached rows"));
+  }
+  CHECK(RowMatrix<double>(latents.rows(1, 2)) == rows.bottomRows(2));
+  CHECK(latents.rows(1, 0).rows() == 0);
+
+  // A negative reservation, refused by reserve(), was taken as none by the constructors.
+  CHECK_THROWS_AS(GqaCache<double>(gqa, -5), shape_error);
+  CHECK_THROWS_AS(LrkvCache<double>(LrkvConfig{8, 2, 4, 2}, -5), shape_error);
+  CHECK_THROWS_AS(MlaCache<double>(mla, -5), shape_error);
+}
+
+TEST_CASE("RoPE helpers check the widths and settings they are given", "[reliability][rope]") {
+  const Rope rope(RopeConfig{RopeLayout::half_split, 10000.0, 0}, 4);
+  RowVector<double> narrow = RowVector<double>::Ones(2);
+  CHECK_THROWS_WITH(rope.rotate(narrow, 1.0), Contains("Rope::rotate") && Contains("2 entries") &&
+                                                  Contains("rotary width 4"));
+  CHECK(narrow == RowVector<double>::Ones(2));
+  RowVector<double> v(4);
+  v << 1.0, 0.0, 0.0, 0.0;
+  rope.rotate(v, 1.0);  // plane (0, 2) turned by angle 1 * theta^0 = 1
+  CHECK(v(0) == Approx(std::cos(1.0)).epsilon(1e-15));
+  CHECK(v(2) == Approx(std::sin(1.0)).epsilon(1e-15));
+  // A disabled Rope leaves any vector as it is.
+  RowVector<double> any = RowVector<double>::Ones(3);
+  Rope(RopeConfig{}, 4).rotate(any, 1.0);
+  CHECK(any == RowVector<double>::Ones(3));
+
+  // interleaved_to_half_split(-1) threw std::length_error; (5) returned 0 2 1 3 0.
+  for (const Index dim : {Index{-1}, Index{0}, Index{5}}) {
+    CAPTURE(dim);
+    CHECK_THROWS_WITH(interleaved_to_half_split(dim),
+                      Contains("rotary width (" + std::to_string(dim) + ")"));
+  }
+  CHECK(interleaved_to_half_split(4) == std::vector<Index>{0, 2, 1, 3});
+
+  // make_rope with YaRN never validated the YaRN settings: a factor of -1 gave negative
+  // inverse frequencies.
+  YarnConfig yarn;
+  yarn.enabled = true;
+  yarn.factor = -1.0;
+  CHECK_THROWS_AS(make_rope(RopeConfig{RopeLayout::interleaved, 10000.0, 0}, 8, yarn),
+                  config_error);
+}
+
+TEST_CASE("softmax states whose members disagree are a shape_error", "[reliability][states]") {
+  SoftmaxStates<double> states(2, 3);
+  states.max << 0.0, 0.0;
+  states.sum << 1.0, 2.0;
+  states.acc.setOnes();
+  SoftmaxStates<double> short_sum = states;
+  short_sum.sum.resize(0);
+  SoftmaxStates<double> no_acc = states;
+  no_acc.acc.resize(0, 3);
+  RowMatrix<double> out(2, 3);
+  for (SoftmaxStates<double>* bad : {&short_sum, &no_acc}) {
+    CHECK_THROWS_WITH(finish_states(*bad, out),
+                      Contains("finish_states") && Contains("must agree"));
+    RowVector<double> sinks = RowVector<double>::Zero(2);
+    CHECK_THROWS_AS(add_sink_logits(sinks, *bad), shape_error);
+    CHECK_THROWS_AS(merge_states(*bad, states), shape_error);
+  }
+  finish_states(states, out);  // acc / sum: 1 and 1/2
+  CHECK(out(0, 0) == 1.0);
+  CHECK(out(1, 2) == 0.5);
+}
+
+TEST_CASE("the decode cost and cache layouts refuse lengths and fields they cannot count",
+          "[reliability][analysis]") {
+  using namespace analysis;
+  const GqaConfig gqa = gqa_config(8, 4, 2, 2);
+  // length + 1 overflowed for INT64_MAX and the error then named a negative length.
+  CHECK_THROWS_WITH(decode_cost(gqa, std::numeric_limits<Index>::max()),
+                    Contains("length (" + std::to_string(std::numeric_limits<Index>::max()) + ")"));
+  // weight_bytes -4 gave MLA a negative byte count.
+  CHECK_THROWS_WITH(attend_cost(LrkvConfig{8, 2, 4, 2}, 16, {}, 0), Contains("weight_bytes (0)"));
+  CHECK_THROWS_AS(decode_cost(gqa, 16, {}, -4), config_error);
+  // 2 KV heads x (K, V) x 2 wide, fp32, one step over 10 cached tokens: 10 * 8 * 4 bytes.
+  CHECK(attend_cost(gqa, 10, CacheStorage{Dtype::fp32}).bytes == 320.0);
+  // A hand-built layout with a negative field gave overflow_error or a negative count.
+  CacheLayout layout;
+  layout.main = {-1, 4};
+  CHECK_THROWS_WITH(layout.elements(), Contains("rows' count (-1)"));
+  layout.main = {2, 4};
+  layout.norms = -1;
+  CHECK_THROWS_WITH(layout.elements(), Contains("norms (-1)"));
+  layout.norms = 1;
+  CHECK(layout.elements() == 9);
+}
+
+TEST_CASE("NV-Embed pooling refuses widths whose products overflow", "[reliability][pooling]") {
+  NvEmbedPoolingConfig c;
+  c.d_model = 2;
+  c.n_latents = 4;
+  c.n_heads = 2;
+  c.ff_mult = k62;  // ff_hidden = 2^63 overflowed; the layer was built with a wrong shape
+  CHECK_THROWS_WITH(c.validate(), Contains("ff_mult") && Contains("d_model"));
+  c.ff_mult = 4;
+  c.head_dim = k62;  // inner_dim = 2 * 2^62
+  CHECK_THROWS_WITH(c.validate(), Contains("head_dim") && Contains("n_heads"));
+  c.head_dim = 0;
+  CHECK_NOTHROW(c.validate());
 }

@@ -67,7 +67,11 @@ constexpr Index ceil_div(Index a, Index b) { return a / b + (a % b != 0 ? 1 : 0)
 struct Rows {
   Index count = 0;
   Index width = 0;
-  constexpr Index elements() const { return detail::mul(count, width, "cache row elements"); }
+  constexpr Index elements() const {
+    detail::require(count >= 0, "CacheLayout", "rows' count", count, "must be >= 0");
+    detail::require(width >= 0, "CacheLayout", "rows' width", width, "must be >= 0");
+    return detail::mul(count, width, "cache row elements");
+  }
   constexpr bool operator==(const Rows&) const = default;
 };
 
@@ -87,6 +91,8 @@ struct CacheLayout {
 
   /// Scalars stored per token per layer (scales not included).
   constexpr Index elements() const {
+    detail::require(rope >= 0, "CacheLayout", "rope", rope, "must be >= 0");
+    detail::require(norms >= 0, "CacheLayout", "norms", norms, "must be >= 0");
     return detail::add(detail::add(main.elements(), residual.elements(), "cache elements"),
                        detail::add(rope, norms, "cache elements"), "cache elements");
   }

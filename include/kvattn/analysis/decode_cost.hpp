@@ -20,6 +20,7 @@
 #pragma once
 
 #include <algorithm>
+#include <limits>
 
 #include "kvattn/analysis/cache_size.hpp"
 #include "kvattn/analysis/params.hpp"
@@ -64,13 +65,18 @@ constexpr double cache_bytes(const CacheLayout& layout, const CacheStorage& stor
 
 constexpr double d(Index value) { return static_cast<double>(value); }
 
+constexpr void check_weight_bytes(Index weight_bytes) {
+  kvattn::detail::require(weight_bytes >= 1, "decode cost", "weight_bytes", weight_bytes,
+                          "must be >= 1");
+}
+
 }  // namespace detail
 
 /// The attention step over `length` cached tokens. `weight_bytes` is the size of one
 /// weight element (the layer's compute type: 4 for float).
 constexpr StepCost attend_cost(const GqaConfig& c, Index length, const CacheStorage& storage = {},
                                Index weight_bytes = 4) {
-  (void)weight_bytes;  // the GQA step reads no weight
+  detail::check_weight_bytes(weight_bytes);  // checked, though the GQA step reads no weight
   using detail::d;
   return {detail::cache_bytes(cache_layout(c), storage, length),
           4.0 * d(c.n_heads) * d(length) * d(c.head_dim)};
@@ -78,6 +84,7 @@ constexpr StepCost attend_cost(const GqaConfig& c, Index length, const CacheStor
 
 constexpr StepCost attend_cost(const MlaConfig& c, Index length, const CacheStorage& storage = {},
                                Index weight_bytes = 4) {
+  detail::check_weight_bytes(weight_bytes);
   using detail::d;
   const double absorb = d(c.kv_rank) * d(c.n_heads) * d(c.qk_nope_dim + c.v_dim);  // W_UK, W_UV
   const double per_token = d(c.n_heads) * (2.0 * d(c.kv_rank + c.rope_dim) + 2.0 * d(c.kv_rank));
@@ -87,6 +94,7 @@ constexpr StepCost attend_cost(const MlaConfig& c, Index length, const CacheStor
 
 constexpr StepCost attend_cost(const LrkvConfig& c, Index length, const CacheStorage& storage = {},
                                Index weight_bytes = 4) {
+  detail::check_weight_bytes(weight_bytes);
   using detail::d;
   const double bases = 2.0 * d(c.head_dim) * d(c.n_heads) * d(c.rank);  // B^K, B^V
   const double per_token =
@@ -100,6 +108,8 @@ constexpr StepCost attend_cost(const LrkvConfig& c, Index length, const CacheSto
 template <class Config>
 constexpr StepCost decode_cost(const Config& c, Index length, const CacheStorage& storage = {},
                                Index weight_bytes = 4) {
+  kvattn::detail::require(length >= 0 && length < std::numeric_limits<Index>::max(), "decode cost",
+                          "length", length, "must be >= 0 and < 2^63 - 1 (the step adds a token)");
   const StepCost attention = attend_cost(c, length + 1, storage, weight_bytes);
   const double weights = static_cast<double>(attention_params(c));
   // attend_cost already counts the absorbed weights (MLA) and bases (LRKV) once.

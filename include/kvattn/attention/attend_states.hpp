@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <string>
 
+#include "kvattn/config/rope_config.hpp"
 #include "kvattn/core/errors.hpp"
 #include "kvattn/core/softmax_states.hpp"
 #include "kvattn/core/types.hpp"
@@ -31,9 +32,11 @@ namespace kvattn {
 
 /// Folds one sink logit per row (`sinks`, 1 x rows: the layer's weights().sinks) into
 /// merged states: each is a key with that logit and a zero value. Call it once, after
-/// every part of the sequence is merged; shape_error unless sinks has one entry per row.
+/// every part of the sequence is merged; shape_error unless sinks has one entry per row
+/// (and the states' max, sum and acc agree).
 template <class T>
 void add_sink_logits(const RowVector<T>& sinks, SoftmaxStates<T>& states) {
+  detail::check_states("add_sink_logits", "states", states);
   if (sinks.cols() != states.rows()) {
     throw shape_error("add_sink_logits: sinks has " + std::to_string(sinks.cols()) +
                       " entries, expected one per state row (" + std::to_string(states.rows()) +
@@ -48,16 +51,17 @@ void add_sink_logits(const RowVector<T>& sinks, SoftmaxStates<T>& states) {
 namespace detail {
 
 /// The number of the cache's tokens a query at `position` sees (see the header comment);
-/// config_error for a windowed layer, shape_error for a negative position.
+/// config_error for a windowed layer, shape_error for a position outside [0, 2^53] (the
+/// range in which the RoPE angle, position_offset + position in double, is exact).
 inline Index states_visible(const char* where, Index window, Index position, Index tokens) {
   if (window > 0) {
     throw config_error(std::string(where) + ": the layer has a sliding window (window " +
                        std::to_string(window) +
                        "); partial states over part of a sequence need window 0");
   }
-  if (position < 0) {
+  if (position < 0 || position > RopeConfig::kMaxPositionOffset) {
     throw shape_error(std::string(where) + ": position (" + std::to_string(position) +
-                      ") must be >= 0");
+                      ") must be in [0, 2^53]");
   }
   return std::min(tokens, position + 1);
 }

@@ -46,7 +46,7 @@ class GqaCache {
       : config_(validated(config)),
         keys_(config.n_kv_heads, config.head_dim),
         values_(config.n_kv_heads, config.head_dim) {
-    if (reserve_tokens > 0) reserve(reserve_tokens);
+    if (reserve_tokens != 0) reserve(reserve_tokens);  // shape_error when negative
   }
 
   const GqaConfig& config() const { return config_; }
@@ -100,8 +100,9 @@ class GqaCache {
   }
 
   /// KV head g's cached keys / values, tokens() x d_h: a view of the stored rows, or for
-  /// a quantized S a dequantized copy (RowMatrix<T>).
+  /// a quantized S a dequantized copy (RowMatrix<T>). shape_error unless 0 <= g < n_kv.
   auto keys(Index g) const {
+    detail::check_index("GqaCache::keys", "KV head g", g, config_.n_kv_heads);
     if constexpr (detail::is_quantized_storage<S>) {
       return keys_.template dequantized<T>(g);
     } else {
@@ -109,6 +110,7 @@ class GqaCache {
     }
   }
   auto values(Index g) const {
+    detail::check_index("GqaCache::values", "KV head g", g, config_.n_kv_heads);
     if constexpr (detail::is_quantized_storage<S>) {
       return values_.template dequantized<T>(g);
     } else {

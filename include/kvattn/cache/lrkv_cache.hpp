@@ -173,7 +173,7 @@ class LrkvCache {
         values_(1, Layout::value_row(config)),
         norms_(1, config.key_norm ? config.n_heads : 0),
         rope_(1, quantized ? config.decoupled_dim() : 0) {
-    if (reserve_tokens > 0) reserve(reserve_tokens);
+    if (reserve_tokens != 0) reserve(reserve_tokens);  // shape_error when negative
   }
 
   const LrkvConfig& config() const { return config_; }
@@ -233,9 +233,16 @@ class LrkvCache {
   /// quantized S a dequantized RowMatrix<T> copy, as are the latents below).
   auto shared_keys() const { return part(keys_, 0, config_.head_dim); }
   auto shared_values() const { return part(values_, 0, config_.head_dim); }
-  /// Cached tokens x r: head h's stored key latents r~_h / value latents r^V_h.
-  auto residual_keys(Index h) const { return residual(keys_, h, 1); }
-  auto residual_values(Index h) const { return residual(values_, h, 1); }
+  /// Cached tokens x r: head h's stored key latents r~_h / value latents r^V_h;
+  /// shape_error unless 0 <= h < H.
+  auto residual_keys(Index h) const {
+    detail::check_index("LrkvCache::residual_keys", "head h", h, config_.n_heads);
+    return residual(keys_, h, 1);
+  }
+  auto residual_values(Index h) const {
+    detail::check_index("LrkvCache::residual_values", "head h", h, config_.n_heads);
+    return residual(values_, h, 1);
+  }
   /// Cached tokens x (H * r): every head's key / value latents, head h in columns
   /// [h*r, (h+1)*r) (the layout append takes).
   auto residual_keys() const { return residual(keys_, 0, config_.n_heads); }

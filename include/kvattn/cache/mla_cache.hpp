@@ -56,7 +56,7 @@ class MlaCache {
       : config_(validated(config)),
         rows_(1, quantized ? config.kv_rank : config.cache_elements_per_token()),
         rope_(1, quantized ? config.rope_dim : 0) {
-    if (reserve_tokens > 0) reserve(reserve_tokens);
+    if (reserve_tokens != 0) reserve(reserve_tokens);  // shape_error when negative
   }
 
   const MlaConfig& config() const { return config_; }
@@ -121,8 +121,14 @@ class MlaCache {
       return rows(0, tokens());
     }
   }
-  /// Cached rows first ... first + count - 1 (a tile of the matrix above).
+  /// Cached rows first ... first + count - 1 (a tile of the matrix above); shape_error
+  /// unless they are cached (0 <= first, 0 <= count, first + count <= tokens()).
   Rows rows(Index first, Index count) const requires(!quantized) {
+    if (first < 0 || count < 0 || count > tokens() - first) {
+      throw shape_error("MlaCache::rows: rows [" + std::to_string(first) + ", " +
+                        std::to_string(first) + " + " + std::to_string(count) +
+                        ") must lie in the " + std::to_string(tokens()) + " cached rows");
+    }
     return Rows(rows_.row(0, first), count, config_.cache_elements_per_token(),
                 Eigen::OuterStride<>(config_.cache_elements_per_token()));
   }

@@ -127,6 +127,15 @@ void check_shape(const char* where, const char* what, const Matrix& actual, Inde
   }
 }
 
+/// Throws shape_error unless 0 <= index < count: "<where>: <what> (<index>) must be in
+/// [0, <count>)".
+inline void check_index(const char* where, const char* what, Index index, Index count) {
+  if (index < 0 || index >= count) {
+    throw shape_error(std::string(where) + ": " + what + " (" + std::to_string(index) +
+                      ") must be in [0, " + std::to_string(count) + ")");
+  }
+}
+
 /// Throws config_error with "<where>: <field> (<value>) <rule>" unless `ok`. Usable in
 /// constant expressions (only the throwing branch is not constant).
 template <class Value>

@@ -80,9 +80,15 @@ class Rope {
     }
   }
 
-  /// Rotates one row vector of width dim() in place.
+  /// Rotates one row vector of width dim() in place; shape_error for another width
+  /// (a disabled Rope leaves any vector as it is).
   template <class T>
   void rotate(RowVector<T>& v, double position) const {
+    if (!enabled()) return;
+    if (v.cols() != dim()) {
+      throw shape_error("Rope::rotate: the vector has " + std::to_string(v.cols()) +
+                        " entries, expected the rotary width " + std::to_string(dim()));
+    }
     rotate(v.data(), position);
   }
 
@@ -103,8 +109,13 @@ class Rope {
 
 /// The permutation taking an interleaved-layout vector to the half-split layout:
 /// half_split[j] = interleaved[perm[j]]. Apply it to the output columns of a
-/// query/key projection to convert weights between the two layouts.
+/// query/key projection to convert weights between the two layouts. config_error unless
+/// dim is even and > 0.
 inline std::vector<Index> interleaved_to_half_split(Index dim) {
+  if (dim <= 0 || dim % 2 != 0) {
+    throw config_error("interleaved_to_half_split: rotary width (" + std::to_string(dim) +
+                       ") must be even and > 0");
+  }
   std::vector<Index> perm(static_cast<std::size_t>(dim));
   for (Index i = 0; i < dim / 2; ++i) {
     perm[static_cast<std::size_t>(i)] = 2 * i;

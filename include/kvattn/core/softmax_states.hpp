@@ -80,6 +80,18 @@ inline void merge_state_row(T m, T l, const T* a, T& into_m, T& into_l, T* into_
   into_m = total;
 }
 
+/// shape_error unless the states' max, sum and acc have one entry (row) per query row:
+/// their members are public, so a caller may have resized one of them.
+template <class T>
+void check_states(const char* where, const char* name, const SoftmaxStates<T>& states) {
+  if (states.sum.cols() != states.rows() || states.acc.rows() != states.rows()) {
+    throw shape_error(std::string(where) + ": " + name + " has max of " +
+                      std::to_string(states.rows()) + ", sum of " +
+                      std::to_string(states.sum.cols()) + " and acc of " +
+                      std::to_string(states.acc.rows()) + " rows (max, sum and acc must agree)");
+  }
+}
+
 /// out[width] = a / l, or zeros when the row saw no key (m == -inf).
 template <class T>
 inline void finish_state_row(T m, T l, const T* a, T* out, Index width) {
@@ -98,13 +110,12 @@ inline void finish_state_row(T m, T l, const T* a, T* out, Index width) {
 /// nothing.
 template <class T>
 void merge_states(const SoftmaxStates<T>& part, SoftmaxStates<T>& into) {
-  if (part.rows() != into.rows() || part.width() != into.width() ||
-      part.sum.cols() != part.rows() || into.sum.cols() != into.rows() ||
-      part.acc.rows() != part.rows() || into.acc.rows() != into.rows()) {
+  detail::check_states("merge_states", "part", part);
+  detail::check_states("merge_states", "into", into);
+  if (part.rows() != into.rows() || part.width() != into.width()) {
     throw shape_error("merge_states: part has " + std::to_string(part.rows()) + " rows x " +
                       std::to_string(part.width()) + ", into has " + std::to_string(into.rows()) +
-                      " rows x " + std::to_string(into.width()) +
-                      " (max, sum and acc of each must agree)");
+                      " rows x " + std::to_string(into.width()));
   }
   for (Index i = 0; i < part.rows(); ++i) {
     detail::merge_state_row(part.max(i), part.sum(i), part.acc.row(i).data(), into.max(i),
@@ -113,9 +124,10 @@ void merge_states(const SoftmaxStates<T>& part, SoftmaxStates<T>& into) {
 }
 
 /// The attention output of each row, acc / sum (zeros for a row that saw no key), into
-/// `out` (rows x width).
+/// `out` (rows x width); shape_error for another shape or inconsistent states.
 template <class T>
 void finish_states(const SoftmaxStates<T>& states, MatrixRef<std::type_identity_t<T>> out) {
+  detail::check_states("finish_states", "states", states);
   if (out.rows() != states.rows() || out.cols() != states.width()) {
     throw shape_error("finish_states: out is (" + std::to_string(out.rows()) + " x " +
                       std::to_string(out.cols()) + "), expected (" + std::to_string(states.rows()) +

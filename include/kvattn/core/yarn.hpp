@@ -84,9 +84,12 @@ inline double yarn_rope_amplitude(const YarnConfig& yarn) {
   return yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim);
 }
 
-/// The rotary embedding of width `dim` for `rope` with YaRN applied when enabled.
+/// The rotary embedding of width `dim` for `rope` with YaRN applied when enabled;
+/// config_error for an invalid rope or YaRN setting or width.
 inline Rope make_rope(const RopeConfig& rope, Index dim, const YarnConfig& yarn) {
   if (!rope.enabled() || !yarn.enabled) return Rope(rope, dim);
+  rope.validate("make_rope");
+  yarn.validate("make_rope");
   if (dim <= 0 || dim % 2 != 0) {
     throw config_error("make_rope: rotary width (" + std::to_string(dim) +
                        ") must be even and > 0");

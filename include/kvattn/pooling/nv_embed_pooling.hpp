@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -49,6 +50,11 @@ struct NvEmbedPoolingConfig {
     detail::require(n_heads >= 1, where, "n_heads", n_heads, "must be >= 1");
     detail::require(head_dim >= 0, where, "head_dim", head_dim, "must be >= 0 (0 means d / H)");
     detail::require(ff_mult >= 1, where, "ff_mult", ff_mult, "must be >= 1");
+    constexpr Index max = std::numeric_limits<Index>::max();
+    detail::require(ff_mult <= max / d_model, where, "ff_mult", ff_mult,
+                    "times d_model must fit in a signed 64-bit integer");
+    detail::require(head_dim <= max / n_heads, where, "head_dim", head_dim,
+                    "times n_heads must fit in a signed 64-bit integer");
     if (head_dim == 0 && d_model % n_heads != 0) {
       throw config_error(std::string(where) + ": d_model (" + std::to_string(d_model) +
                          ") must be divisible by n_heads (" + std::to_string(n_heads) +
