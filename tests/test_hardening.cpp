@@ -385,7 +385,7 @@ TEST_CASE("the decode cost and cache layouts refuse lengths and fields they cann
   // length + 1 overflowed for INT64_MAX and the error then named a negative length.
   CHECK_THROWS_WITH(decode_cost(gqa, std::numeric_limits<Index>::max()),
                     Contains("length (" + std::to_string(std::numeric_limits<Index>::max()) + ")"));
-  // weight_bytes -4 gave MLA a negative byte count.
+  // A weight_bytes below 1 was taken as given (-4 gave MLA a negative byte count).
   CHECK_THROWS_WITH(attend_cost(LrkvConfig{8, 2, 4, 2}, 16, {}, 0), Contains("weight_bytes (0)"));
   CHECK_THROWS_AS(decode_cost(gqa, 16, {}, -4), config_error);
   // 2 KV heads x (K, V) x 2 wide, fp32, one step over 10 cached tokens: 10 * 8 * 4 bytes.
